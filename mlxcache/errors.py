@@ -1,0 +1,9 @@
+"""Exceptions shared by the serializers and backends."""
+
+
+class FormatError(ValueError):
+    """Stored bytes are not a readable mlxcache record (corrupt, truncated or foreign)."""
+
+
+class UnsupportedVersionError(FormatError):
+    """A record written by a newer (or unknown) mlxcache format version."""

@@ -1,0 +1,1 @@
+"""Serializers: MLX cache objects <-> Record, and Record <-> safetensors bytes or files."""

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install everything the tests need (redis-server, a fresh .venv with mlxcache[test]) and run
+# lint plus the whole test suite. The README's test command and .ci/run both call this.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v redis-server >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+  elif command -v brew >/dev/null 2>&1; then
+    brew install redis
+  else
+    echo "redis-server is missing: install it (apt-get install redis-server / brew install redis)" >&2
+    exit 1
+  fi
+fi
+
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e '.[test]'
+
+.venv/bin/ruff format --check mlxcache tests benchmarks
+.venv/bin/ruff check mlxcache tests benchmarks
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,116 @@
+"""The record format: byte-exact round trips of every dtype, checks that catch corruption."""
+
+import json
+import struct
+
+import mlx.core as mx
+import pytest
+import safetensors
+
+from mlxcache import FormatError, Record, UnsupportedVersionError
+from mlxcache.serializers import safetensors as st
+
+ALL_DTYPES = [
+    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
+    mx.int64, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64,
+]  # fmt: skip
+
+
+def bits(a: mx.array) -> bytes:
+    return bytes(memoryview(mx.contiguous(a)))
+
+
+def sample_record() -> Record:
+    mx.random.seed(1)
+    arrays = {f"t{i}": (mx.random.normal((3, 5)) * 100).astype(d) for i, d in enumerate(ALL_DTYPES)}
+    arrays["strided"] = mx.random.normal((2, 6, 4)).astype(mx.bfloat16)[:, 1:4, :]
+    arrays["empty"] = mx.zeros((0, 7), dtype=mx.bfloat16)
+    arrays["scalar"] = mx.array(7, dtype=mx.int32)
+    # a NaN with a payload: a float32 round trip would not keep these bits
+    arrays["nan_payload"] = mx.array([0x7FC1, 0xFFFF, 0x0001], dtype=mx.uint16).view(mx.bfloat16)
+    return Record(arrays, {"tokens": [1, 2, 3], "name": "x", "raw": b"\x00\xff", "n": None})
+
+
+def assert_same(a: Record, b: Record) -> None:
+    assert list(a.arrays) == list(b.arrays) or set(a.arrays) == set(b.arrays)
+    for name, x in a.arrays.items():
+        y = b.arrays[name]
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+        assert bits(x) == bits(y), name
+    assert dict(a.meta) == dict(b.meta)
+
+
+def test_bytes_round_trip_is_bit_exact_for_every_dtype():
+    rec = sample_record()
+    assert_same(rec, st.from_bytes(st.to_bytes(rec)))
+
+
+def test_file_round_trip_and_other_readers(tmp_path):
+    rec = sample_record()
+    path = tmp_path / "r.safetensors"
+    with open(path, "wb") as f:
+        st.write(f, rec)
+    assert_same(rec, st.read_file(path))
+    # the file is a standard safetensors file: mx.load and the safetensors package open it
+    del_f64 = {k: v for k, v in rec.arrays.items() if v.dtype != mx.float64}
+    path2 = tmp_path / "r2.safetensors"
+    with open(path2, "wb") as f:
+        st.write(f, Record(del_f64, {}))
+    loaded = mx.load(str(path2))
+    assert bits(loaded["t10"]) == bits(rec.arrays["t10"])
+    with safetensors.safe_open(str(path2), "numpy") as f:
+        assert f.metadata()["format"] == "mlxcache"
+        assert set(f.keys()) == set(del_f64)
+
+
+def test_header_is_read_without_tensor_data(tmp_path):
+    rec = sample_record()
+    path = tmp_path / "r.safetensors"
+    path.write_bytes(st.to_bytes(rec))
+    header = st.read_header(path)
+    assert header.meta["tokens"] == [1, 2, 3]
+    assert header.version == st.FORMAT_VERSION
+    assert header.total_size == path.stat().st_size
+
+
+def test_flipped_bit_is_detected():
+    blob = bytearray(st.to_bytes(sample_record()))
+    blob[-5] ^= 0x01
+    with pytest.raises(FormatError, match="checksum"):
+        st.from_bytes(bytes(blob))
+
+
+def test_truncated_and_foreign_blobs_are_format_errors():
+    blob = st.to_bytes(sample_record())
+    for bad in [blob[:-1], blob[:20], b"", b"hello world, not a record"]:
+        with pytest.raises(FormatError):
+            st.from_bytes(bad)
+    header = json.dumps({"__metadata__": {"format": "pt"}}).encode()
+    with pytest.raises(FormatError, match="not an mlxcache record"):
+        st.from_bytes(struct.pack("<Q", len(header)) + header)
+
+
+def test_newer_format_version_is_refused():
+    blob = st.to_bytes(Record({"x": mx.zeros(3)}, {}))
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    header["__metadata__"]["format_version"] = str(st.FORMAT_VERSION + 1)
+    text = json.dumps(header).encode()
+    with pytest.raises(UnsupportedVersionError):
+        st.from_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+
+
+def test_decoded_arrays_do_not_alias_the_blob():
+    blob = bytearray(st.to_bytes(Record({"x": mx.arange(4, dtype=mx.int32)}, {})))
+    rec = st.from_bytes(blob)
+    blob[-4:] = b"\xff\xff\xff\xff"
+    assert rec.arrays["x"].tolist() == [0, 1, 2, 3]
+
+
+def test_bad_records_are_refused_before_writing():
+    with pytest.raises(TypeError, match="mx.array"):
+        Record({"x": [1, 2]}, {})
+    with pytest.raises(TypeError, match="msgpack"):
+        Record({}, {"obj": object()})
+    with pytest.raises(TypeError, match="keys must be str"):
+        Record({1: mx.zeros(1)}, {})
