@@ -1,0 +1,133 @@
+"""Stable content hashes: images by content and in order, chained token-block hashes.
+
+Everything here is SHA-256 over explicitly framed bytes, so keys are equal across processes,
+machines and PYTHONHASHSEED values (Python's ``hash()`` is never used).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+HASH_VERSION = 1  # bump when any framing below changes: old keys then simply miss
+
+
+def _h(*parts: bytes) -> bytes:
+    """SHA-256 of length-prefixed parts (no two part lists share a digest)."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(struct.pack("<Q", len(p)))
+        h.update(p)
+    return h.digest()
+
+
+def _array_digest(kind: bytes, dtype: str, shape: Sequence[int], data: memoryview) -> bytes:
+    return _h(kind, dtype.encode(), np.asarray(shape, dtype=np.int64).tobytes(), data)
+
+
+def _base64_bytes(text: str) -> bytes | None:
+    """Decoded bytes of a ``data:...;base64,`` URI or of a bare base64 string, else None."""
+    if text.startswith("data:"):
+        head, sep, payload = text.partition(",")
+        if not sep or not head.endswith(";base64"):
+            return None
+    elif len(text) >= 16 and "://" not in text and len(text) % 4 == 0:
+        payload = text
+    else:
+        return None
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+
+
+def image_digest(image: Any) -> bytes:
+    """32-byte digest of one image's content.
+
+    - ``bytes``/``bytearray``/``memoryview``: the encoded bytes;
+    - ``str`` or ``os.PathLike`` naming an existing file: the file's bytes;
+    - a ``data:`` URI with base64 payload, or a bare base64 string: the decoded bytes (same
+      digest as the raw bytes);
+    - any other ``str`` (an ``http(s)://`` URL, which is not fetched): the string itself;
+    - a PIL image: pixels plus size and mode;
+    - a NumPy or MLX array (e.g. ``pixel_values``): bytes plus shape and dtype.
+    """
+    if isinstance(image, bytes | bytearray | memoryview):
+        return _h(b"bytes", bytes(image))
+    if isinstance(image, os.PathLike) or (isinstance(image, str) and os.path.isfile(image)):
+        with open(image, "rb") as f:
+            return _h(b"bytes", f.read())
+    if isinstance(image, str):
+        decoded = _base64_bytes(image)
+        if decoded is not None:
+            return _h(b"bytes", decoded)
+        return _h(b"str", image.encode("utf-8"))
+    if isinstance(image, mx.array):
+        a = mx.contiguous(image)
+        mx.eval(a)
+        data = memoryview(a).cast("B") if a.nbytes else memoryview(b"")
+        return _array_digest(b"array", str(a.dtype), a.shape, data)
+    if isinstance(image, np.ndarray):
+        a = np.ascontiguousarray(image)
+        return _array_digest(b"array", a.dtype.str, a.shape, memoryview(a).cast("B"))
+    if hasattr(image, "tobytes") and hasattr(image, "mode") and hasattr(image, "size"):
+        size = np.asarray(image.size, dtype=np.int64).tobytes()
+        return _h(b"pil", image.mode.encode(), size, image.tobytes())
+    raise TypeError(
+        f"cannot hash an image of type {type(image).__name__}: pass bytes, a file path, "
+        "a data URI, a URL string, a PIL image or an array"
+    )
+
+
+def images_digest(images: Iterable[Any]) -> bytes:
+    """Digest of several images in order: swapping two images changes it."""
+    return _h(b"images", *(image_digest(img) for img in images))
+
+
+def namespace_seed(model: str, salt: str = "", *, format_version: int = HASH_VERSION) -> bytes:
+    """The root of every block-hash chain: format version, model identity and tenant salt."""
+    if not isinstance(model, str) or not model:
+        raise ValueError("model identity must be a non-empty str")
+    if not isinstance(salt, str):
+        raise TypeError("salt must be a str")
+    return _h(b"mlxcache-ns", str(format_version).encode(), model.encode(), salt.encode())
+
+
+def tokens_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as little-endian int64 bytes (the form hashed and stored)."""
+    return np.asarray(tokens, dtype=np.int64).tobytes()
+
+
+def chain(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+    """``h[i] = H(h[i-1], tokens of block i, extra keys of block i)``."""
+    return _h(b"block", parent, tokens_bytes(tokens), extra)
+
+
+def block_hashes(
+    seed: bytes,
+    tokens: Sequence[int],
+    block_size: int,
+    extras: Sequence[bytes] | None = None,
+) -> list[bytes]:
+    """Chained hashes of each whole block of ``tokens`` (a trailing partial block is left out).
+
+    ``extras[i]`` (optional) is mixed into block ``i``: e.g. the digests and offsets of the
+    images whose tokens fall in that block.
+    """
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    out: list[bytes] = []
+    parent = seed
+    for i in range(len(tokens) // block_size):
+        extra = extras[i] if extras is not None and i < len(extras) else b""
+        parent = chain(parent, tokens[i * block_size : (i + 1) * block_size], extra)
+        out.append(parent)
+    return out
