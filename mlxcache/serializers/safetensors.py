@@ -265,7 +265,7 @@ def describe(header: Header) -> dict[str, Any]:
         "format_version": header.version,
         "checksum": header.checksum,
         "bytes": header.total_size,
-        "meta": _jsonable(header.meta),
+        "meta": jsonable(header.meta),
         "tensors": [
             {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "bytes": t.end - t.begin}
             for t in header.tensors
@@ -273,13 +273,13 @@ def describe(header: Header) -> dict[str, Any]:
     }
 
 
-def _jsonable(obj: Any) -> Any:
+def jsonable(obj: Any) -> Any:
     if isinstance(obj, bytes):
         return obj.hex()
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return [_jsonable(v) for v in obj]
+        return [jsonable(v) for v in obj]
     return obj
 
 

@@ -1,0 +1,263 @@
+"""The ``mlxcache`` command: inspect, copy, verify and trim caches; run the demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mlxcache.backends.base import CacheBackend
+from mlxcache.options import parse_size
+from mlxcache.progress import Progress
+from mlxcache.uri import open_backend
+
+
+class CLIError(Exception):
+    """A failure reported as one line and a non-zero exit code."""
+
+
+def _open(uri: str, **options: Any) -> CacheBackend:
+    try:
+        return open_backend(uri, **options)
+    except (ValueError, TypeError, OSError) as exc:
+        raise CLIError(str(exc)) from None
+
+
+def _errors(backend: CacheBackend) -> int:
+    return int(backend.stats().get("errors", 0))
+
+
+def _check_reachable(backend: CacheBackend, before: int, uri: str) -> None:
+    """The backends turn store failures into misses; the CLI turns them back into an error."""
+    if _errors(backend) > before:
+        raise CLIError(f"the cache at {uri} failed (unreachable or unreadable); see the log above")
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=None, sort_keys=True, default=str))
+
+
+def cmd_stats(args: argparse.Namespace) -> None:
+    with _open(args.uri) as backend:
+        before = _errors(backend)
+        stats = backend.stats()
+        _check_reachable(backend, before, args.uri)
+    if args.json:
+        _print_json(stats)
+    else:
+        for name, value in stats.items():
+            print(f"{name:>12}  {value}")
+
+
+def cmd_ls(args: argparse.Namespace) -> None:
+    with _open(args.uri) as backend:
+        before = _errors(backend)
+        keys = sorted(backend.keys(args.prefix))
+        _check_reachable(backend, before, args.uri)
+    if args.json:
+        _print_json(keys)
+    else:
+        for key in keys:
+            print(key)
+
+
+def _describe(backend: CacheBackend, key: str) -> dict[str, Any] | None:
+    """Header, tensors and sizes of one record; no tensor data is loaded where avoidable."""
+    from mlxcache.serializers import safetensors as st
+
+    header_of = getattr(backend, "header", None)  # disk and Redis read only the header
+    if header_of is not None:
+        header = header_of(key)
+        return None if header is None else st.describe(header)
+    record = backend.get(key)
+    if record is None:
+        return None
+    tensors = [
+        {"name": n, "dtype": str(a.dtype), "shape": list(a.shape), "bytes": a.nbytes}
+        for n, a in record.arrays.items()
+    ]
+    return {"bytes": record.nbytes, "meta": st.jsonable(dict(record.meta)), "tensors": tensors}
+
+
+def cmd_inspect(args: argparse.Namespace) -> None:
+    with _open(args.uri) as backend:
+        before = _errors(backend)
+        info = _describe(backend, args.key)
+        _check_reachable(backend, before, args.uri)
+    if info is None:
+        raise CLIError(f"no such key: {args.key}")
+    if args.json:
+        _print_json(info)
+        return
+    for name in ("format_version", "checksum", "bytes"):
+        if name in info:
+            print(f"{name}: {info[name]}")
+    print(f"meta: {json.dumps(info['meta'], sort_keys=True, default=str)[:2000]}")
+    print(f"tensors: {len(info['tensors'])}")
+    for t in info["tensors"]:
+        print(f"  {t['name']:<40} {t['dtype']:<6} {str(tuple(t['shape'])):<24} {t['bytes']}")
+
+
+def cmd_rm(args: argparse.Namespace) -> None:
+    with _open(args.uri) as backend:
+        before = _errors(backend)
+        missing = [key for key in args.keys if not backend.delete(key)]
+        _check_reachable(backend, before, args.uri)
+    if missing:
+        raise CLIError(f"no such key: {', '.join(missing)}")
+
+
+def cmd_clear(args: argparse.Namespace) -> None:
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CLIError("refusing to clear without --yes (no terminal to ask on)")
+        answer = input(f"Delete every entry in {args.uri}? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            raise CLIError("not cleared")
+    with _open(args.uri) as backend:
+        before = _errors(backend)
+        backend.clear()
+        _check_reachable(backend, before, args.uri)
+
+
+def cmd_gc(args: argparse.Namespace) -> None:
+    """Evict least-recently-used entries until the cache fits ``--max-bytes``."""
+    try:
+        max_bytes = parse_size(args.max_bytes)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
+    with _open(args.uri) as backend:
+        before_bytes = backend.stats()["bytes"]
+    with _open(args.uri, max_bytes=max_bytes) as backend:  # opening with a budget enforces it
+        before = _errors(backend)
+        stats = backend.stats()
+        _check_reachable(backend, before, args.uri)
+    result = {
+        "bytes_before": before_bytes,
+        "bytes_after": stats["bytes"],
+        "entries": stats["entries"],
+    }
+    if args.json:
+        _print_json(result)
+    else:
+        print(
+            f"{result['bytes_before']} -> {result['bytes_after']} bytes, {stats['entries']} entries"
+        )
+
+
+def cmd_copy(args: argparse.Namespace) -> None:
+    copied = 0
+    with _open(args.src) as src, _open(args.dst) as dst:
+        src_before, dst_before = _errors(src), _errors(dst)
+        keys = sorted(src.keys(args.prefix))
+        with Progress("copy", len(keys)) as bar:
+            for key in keys:
+                record = src.get(key)
+                if record is not None:
+                    dst.put(key, record)
+                    copied += 1
+                bar.advance()
+        _check_reachable(src, src_before, args.src)
+        _check_reachable(dst, dst_before, args.dst)
+    if args.json:
+        _print_json({"copied": copied, "keys": len(keys)})
+    else:
+        print(f"copied {copied} of {len(keys)} entries")
+
+
+def cmd_verify(args: argparse.Namespace) -> None:
+    """Read every record (the backends verify each checksum) and report the bad ones."""
+    bad: list[str] = []
+    with _open(args.uri) as backend:
+        keys = sorted(backend.keys(args.prefix))
+        with Progress("verify", len(keys)) as bar:
+            for key in keys:
+                before = _errors(backend)
+                if backend.get(key) is None and _errors(backend) > before:
+                    bad.append(key)
+                bar.advance()
+    if args.json:
+        _print_json({"checked": len(keys), "bad": bad})
+    else:
+        print(f"checked {len(keys)} entries, {len(bad)} bad")
+        for key in bad:
+            print(f"bad: {key}")
+    if bad:
+        raise SystemExit(1)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from mlxcache.demo import run_demo
+
+    code = run_demo(args.cache)
+    if code:
+        raise SystemExit(code)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlxcache", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(func=func)
+        return sp
+
+    sp = add("demo", cmd_demo, "cold vs warm cached generation with a tiny local VLM")
+    sp.add_argument(
+        "--cache",
+        default=None,
+        help="cache URI (default: $MLXCACHE_URL or file://~/.cache/mlxcache)",
+    )
+    sp = add("stats", cmd_stats, "print a backend's stats")
+    sp.add_argument("uri")
+    sp.add_argument("--json", action="store_true", help="one JSON object")
+    sp = add("ls", cmd_ls, "list keys")
+    sp.add_argument("uri")
+    sp.add_argument("--prefix", default="")
+    sp.add_argument("--json", action="store_true")
+    sp = add("inspect", cmd_inspect, "show one record's header, tensors and sizes")
+    sp.add_argument("uri")
+    sp.add_argument("key")
+    sp.add_argument("--json", action="store_true")
+    sp = add("rm", cmd_rm, "delete keys")
+    sp.add_argument("uri")
+    sp.add_argument("keys", nargs="+", metavar="key")
+    sp = add("clear", cmd_clear, "delete every entry (asks unless --yes)")
+    sp.add_argument("uri")
+    sp.add_argument("--yes", "-y", action="store_true")
+    sp = add("gc", cmd_gc, "evict least recently used entries down to --max-bytes")
+    sp.add_argument("uri")
+    sp.add_argument("--max-bytes", required=True, help="e.g. 10GiB")
+    sp.add_argument("--json", action="store_true")
+    sp = add("copy", cmd_copy, "copy every entry from SRC to DST (e.g. warm Redis from disk)")
+    sp.add_argument("src")
+    sp.add_argument("dst")
+    sp.add_argument("--prefix", default="")
+    sp.add_argument("--json", action="store_true")
+    sp = add("verify", cmd_verify, "check every record's checksum; exit 1 if any is bad")
+    sp.add_argument("uri")
+    sp.add_argument("--prefix", default="")
+    sp.add_argument("--json", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="mlxcache: %(levelname)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except CLIError as exc:
+        print(f"mlxcache: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("mlxcache: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
