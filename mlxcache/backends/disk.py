@@ -1,0 +1,633 @@
+"""file:// backend: one safetensors file per record and a SQLite index shared by processes.
+
+Layout of the root folder::
+
+    index.sqlite     key -> file, size, last access (WAL mode); totals kept by triggers
+    data/<2 hex>/<sha256(key)>-<pid>-<token>.safetensors    one file per stored version
+    tmp/<pid>-<token>.tmp                                   files being written
+    quarantine/      unreadable files moved aside for inspection (removed after a week)
+
+A put writes the file under ``tmp/``, fsyncs it, renames it into ``data/`` under a name never
+used before and fsyncs the folder; then one ``BEGIN IMMEDIATE`` transaction publishes it and
+evicts least recently used entries until the total shared by all processes fits ``max_bytes``.
+Replaced and evicted files are unlinked after the commit. Files are only created and deleted,
+never rewritten, so a reader that opened one keeps a consistent view, and an index row always
+names a complete, fsynced file. Names carry the writer's pid, so at open the debris of a dead
+writer (temp files, files renamed but never published) can be told from a live writer's work.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+from urllib.parse import SplitResult, unquote
+
+from mlxcache.backends.base import (
+    BackendBase,
+    Counters,
+    RateLimitedLog,
+    check_key,
+    check_record,
+    log,
+)
+from mlxcache.errors import FormatError
+from mlxcache.options import Options
+from mlxcache.record import Record
+from mlxcache.serializers import safetensors as st
+
+SCHEMA_VERSION = 1
+SUFFIX = ".safetensors"
+STALE_SECONDS = 3600.0  # debris older than this is removed even if its writer still runs
+QUARANTINE_SECONDS = 7 * 86400.0
+_CHUNK = 500  # keys per SQL statement in batch lookups (SQLite's variable limit is >= 999)
+_EVICT_BATCH = 64
+
+_SCHEMA = f"""
+BEGIN IMMEDIATE;
+CREATE TABLE IF NOT EXISTS entries (
+    key TEXT PRIMARY KEY,
+    file TEXT NOT NULL,
+    size INTEGER NOT NULL,
+    access_time REAL NOT NULL,
+    store_time REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_access_time ON entries(access_time);
+CREATE TABLE IF NOT EXISTS settings (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+INSERT OR IGNORE INTO settings VALUES ('schema', {SCHEMA_VERSION}), ('count', 0), ('size', 0);
+CREATE TRIGGER IF NOT EXISTS entries_insert AFTER INSERT ON entries BEGIN
+    UPDATE settings SET value = value + 1 WHERE key = 'count';
+    UPDATE settings SET value = value + NEW.size WHERE key = 'size';
+END;
+CREATE TRIGGER IF NOT EXISTS entries_update AFTER UPDATE OF size ON entries BEGIN
+    UPDATE settings SET value = value + NEW.size - OLD.size WHERE key = 'size';
+END;
+CREATE TRIGGER IF NOT EXISTS entries_delete AFTER DELETE ON entries BEGIN
+    UPDATE settings SET value = value - 1 WHERE key = 'count';
+    UPDATE settings SET value = value - OLD.size WHERE key = 'size';
+END;
+COMMIT;
+"""
+
+_UPSERT = """
+INSERT INTO entries (key, file, size, access_time, store_time) VALUES (?, ?, ?, ?, ?)
+ON CONFLICT(key) DO UPDATE SET file = excluded.file, size = excluded.size,
+    access_time = excluded.access_time, store_time = excluded.store_time
+"""
+
+
+def _write_file(path: str, head: bytes, views: list[memoryview]) -> None:
+    """Create ``path`` (it must not exist), write the blob straight from the buffers, fsync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    with open(fd, "wb") as f:
+        f.write(head)
+        for view in views:
+            f.write(view)  # large buffers go to the OS without a copy
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename or a new name in ``path`` durable (a no-op where folders cannot be synced)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _unlink(path: Path | str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.warning("file cache: could not remove %s: %s", path, exc)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, owned by someone else
+        return True
+    return True
+
+
+def _pid_in(name: str, field: int) -> int | None:
+    """The writer pid embedded in a temp name (field 0) or data name (field 1)."""
+    parts = name.split("-")
+    try:
+        return int(parts[field])
+    except (IndexError, ValueError):
+        return None
+
+
+def _check_key(key: object) -> str:
+    check_key(key)
+    try:
+        key.encode("utf-8")  # type: ignore[union-attr]
+    except UnicodeEncodeError:
+        raise ValueError(f"cache key {key!r} is not valid unicode (lone surrogate)") from None
+    return key  # type: ignore[return-value]
+
+
+class DiskBackend(BackendBase):
+    """Records as safetensors files under ``path``, LRU over ``max_bytes`` of file bytes.
+
+    Many threads and processes may share one folder: ``max_bytes`` caps their common total.
+    ``max_bytes=None`` is unbounded; opening with a smaller budget evicts down to it at once.
+    ``timeout`` is how long (seconds) to wait for the index lock before giving up (a miss).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, max_bytes: int | None = None, timeout: float = 10.0
+    ) -> None:
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+        ):
+            raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+        self.root = Path(os.path.expanduser(os.fspath(path))).absolute()
+        self.max_bytes = max_bytes
+        self.timeout = float(timeout)
+        self._data = self.root / "data"
+        self._tmp = self.root / "tmp"
+        self._quarantine = self.root / "quarantine"
+        self._index = self.root / "index.sqlite"
+        for d in (self.root, self._data, self._tmp, self._quarantine):
+            d.mkdir(parents=True, exist_ok=True)
+        self._counters = Counters()
+        self._rlog = RateLimitedLog()
+        self._conns_lock = threading.Lock()
+        self._reset_connections()
+        self._open_index()
+        self._sweep()
+        if max_bytes is not None:
+            try:
+                if self._settings()["size"] > max_bytes:
+                    with self._transaction() as db:
+                        evicted = self._evict(db, max_bytes)
+                    self._remove_files(evicted, evicted=len(evicted))
+            except sqlite3.Error as exc:
+                self._sql_error("evict", exc)
+
+    # ------------------------------------------------------------ connections
+
+    def _reset_connections(self) -> None:
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._conns: list[sqlite3.Connection] = []
+
+    def _db(self) -> sqlite3.Connection:
+        """This thread's connection; a forked child opens its own, never the parent's."""
+        if self._pid != os.getpid():
+            self._reset_connections()  # the parent's connections are left alone, not closed
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(
+                self._index, timeout=self.timeout, isolation_level=None, check_same_thread=False
+            )
+            conn.execute("PRAGMA synchronous=NORMAL")  # files are fsynced before their row
+            self._local.conn = conn
+            with self._conns_lock:
+                self._conns.append(conn)
+        return conn
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+            db.execute("COMMIT")
+        except BaseException:
+            if db.in_transaction:
+                try:
+                    db.execute("ROLLBACK")
+                except sqlite3.Error:
+                    pass
+            raise
+
+    def _open_index(self) -> None:
+        """Create the schema (WAL mode); an index that is not a database is set aside."""
+        deadline = time.monotonic() + self.timeout
+        attempt = 0
+        db: sqlite3.Connection | None = None
+        while True:
+            try:
+                db = self._db()
+                if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
+                    db.execute("PRAGMA journal_mode=WAL")
+                db.executescript(_SCHEMA)
+                (schema,) = db.execute("SELECT value FROM settings WHERE key='schema'").fetchone()
+                break
+            except sqlite3.OperationalError as exc:
+                if db is not None and db.in_transaction:
+                    db.execute("ROLLBACK")
+                # another process may be switching the new index to WAL mode right now
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise  # I/O error, read-only folder...: a problem to report at open
+                time.sleep(0.05)
+            except sqlite3.DatabaseError as exc:
+                attempt += 1
+                if attempt > 1:
+                    raise
+                log.warning(
+                    "file cache: %s is unreadable (%s); starting a new index", self._index, exc
+                )
+                self.close()
+                stamp = f"{int(time.time())}-{os.getpid()}"
+                for suffix in ("", "-wal", "-shm"):
+                    src = Path(f"{self._index}{suffix}")
+                    try:
+                        os.replace(src, self._quarantine / f"index-{stamp}.sqlite{suffix}")
+                    except FileNotFoundError:
+                        pass
+        if schema > SCHEMA_VERSION:
+            raise ValueError(
+                f"{self._index} has index schema {schema}; this mlxcache knows {SCHEMA_VERSION}"
+            )
+
+    # ------------------------------------------------------------ housekeeping
+
+    def _sweep(self) -> None:
+        """Remove debris of dead writers: temp files, and data files never published or unlinked.
+
+        Order matters: list the files, then check their writers, then read the index. A writer
+        found dead cannot publish later, so a file it published is seen in the index.
+        """
+        now = time.time()
+        me = os.getpid()
+        alive: dict[int, bool] = {}
+
+        def debris(entry: os.DirEntry, pid: int | None) -> bool:
+            try:
+                age = now - entry.stat().st_mtime
+            except OSError:
+                return False
+            if age > STALE_SECONDS:
+                return True
+            if pid is None or pid == me:
+                return False
+            if pid not in alive:
+                alive[pid] = _pid_alive(pid)
+            return not alive[pid]
+
+        try:
+            for entry in os.scandir(self._tmp):
+                if entry.is_file() and debris(entry, _pid_in(entry.name, 0)):
+                    _unlink(entry.path)
+            candidates: list[str] = []
+            for sub in os.scandir(self._data):
+                if not sub.is_dir():
+                    continue
+                for entry in os.scandir(sub.path):
+                    if entry.is_file() and debris(entry, _pid_in(entry.name, 1)):
+                        candidates.append(f"{sub.name}/{entry.name}")
+            if candidates:
+                indexed = {f for (f,) in self._db().execute("SELECT file FROM entries")}
+                for name in candidates:
+                    if name not in indexed:
+                        _unlink(self._data / name)
+            for entry in os.scandir(self._quarantine):
+                if entry.is_file() and now - entry.stat().st_mtime > QUARANTINE_SECONDS:
+                    _unlink(entry.path)
+        except (OSError, sqlite3.Error) as exc:
+            log.warning("file cache: cleanup of %s failed: %s", self.root, exc)
+
+    def _evict(self, db: sqlite3.Connection, limit: int, keep: str = "") -> list[str]:
+        """Delete least recently used rows (never ``keep``) until the total fits ``limit``."""
+        files: list[str] = []
+        (total,) = db.execute("SELECT value FROM settings WHERE key='size'").fetchone()
+        while total > limit:
+            rows = db.execute(
+                "SELECT key, file, size FROM entries WHERE key != ? ORDER BY access_time LIMIT ?",
+                (keep, _EVICT_BATCH),
+            ).fetchall()
+            if not rows:
+                break
+            for key, file, size in rows:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                files.append(file)
+                total -= size
+                if total <= limit:
+                    break
+        return files
+
+    def _remove_files(self, files: Iterable[str | None], evicted: int = 0) -> None:
+        """Delete files the index no longer names (after the commit that dropped them)."""
+        if evicted:
+            self._counters.add("evictions", evicted)
+        for file in files:
+            if file:
+                _unlink(self._data / file)
+
+    def _sql_error(self, what: str, exc: Exception) -> None:
+        self._counters.add("errors")
+        self._rlog.warning(
+            f"sql-{what}", "file cache: index %s failed in %s: %s", what, self.root, exc
+        )
+
+    def _discard(self, key: str, file: str, exc: BaseException) -> None:
+        """Drop an entry whose file cannot be read: unindex it, move the file to quarantine."""
+        self._counters.add("errors")
+        try:
+            with self._transaction() as db:
+                db.execute("DELETE FROM entries WHERE key = ? AND file = ?", (key, file))
+        except sqlite3.Error as sql_exc:
+            self._sql_error("discard", sql_exc)
+            return
+        src = self._data / file
+        try:
+            os.replace(src, self._quarantine / src.name)
+            where = f"moved to {self._quarantine}"
+        except FileNotFoundError:
+            where = "file missing"
+        except OSError:
+            _unlink(src)
+            where = "deleted"
+        log.warning("file cache: dropped unreadable entry %r (%s): %s", key, where, exc)
+
+    # ------------------------------------------------------------ reads
+
+    def _lookup(self, keys: list[str]) -> dict[str, str]:
+        db = self._db()
+        found: dict[str, str] = {}
+        for i in range(0, len(keys), _CHUNK):
+            chunk = keys[i : i + _CHUNK]
+            marks = ",".join("?" * len(chunk))
+            found.update(db.execute(f"SELECT key, file FROM entries WHERE key IN ({marks})", chunk))
+        return found
+
+    def _load(self, key: str, file: str | None, read=None) -> tuple[Any, str | None]:
+        """Read ``key`` from ``file``; follows a concurrent re-put, misses a concurrent delete."""
+        read = read or st.read_file
+        for _ in range(3):
+            if file is None:
+                return None, None
+            try:
+                return read(self._data / file), file
+            except MemoryError:
+                self._counters.add("errors")
+                log.warning("file cache: out of memory reading %r", key)
+                return None, None
+            except Exception as exc:
+                row = (
+                    self._db().execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
+                )
+                if row is None or row[0] != file:
+                    file = row[0] if row else None  # raced with a put, delete or eviction
+                    continue
+                path = self._data / file
+                if isinstance(exc, FormatError) or not path.exists():
+                    self._discard(key, file, exc)  # the index still names it: really unreadable
+                else:  # could not open it now (EMFILE, EIO...): a miss, the entry stays
+                    self._counters.add("errors")
+                    self._rlog.warning("read", "file cache: could not read %r: %s", key, exc)
+                return None, None
+        return None, None
+
+    def _touch(self, pairs: list[tuple[str, str]]) -> None:
+        """Mark entries as just used (LRU); a failure here costs ordering, not the hit."""
+        if not pairs:
+            return
+        now = time.time()
+        try:
+            with self._transaction() as db:
+                db.executemany(
+                    "UPDATE entries SET access_time = ? WHERE key = ? AND file = ?",
+                    [(now, k, f) for k, f in pairs],
+                )
+        except sqlite3.Error as exc:
+            self._sql_error("touch", exc)
+
+    def get(self, key: str) -> Record | None:
+        return self.get_many([key])[0]
+
+    def header(self, key: str) -> st.Header | None:
+        """Metadata and tensor table of ``key`` without its tensor data (``mlxcache inspect``)."""
+        _check_key(key)
+        try:
+            file = self._lookup([key]).get(key)
+            return self._load(key, file, st.read_header)[0]
+        except sqlite3.Error as exc:
+            self._sql_error("header", exc)
+            return None
+
+    def get_many(self, keys: Iterable[str]) -> list[Record | None]:
+        keys = [_check_key(k) for k in keys]
+        try:
+            files = self._lookup(keys)
+        except sqlite3.Error as exc:
+            self._sql_error("get", exc)
+            files = {}
+        out: list[Record | None] = []
+        used: list[tuple[str, str]] = []
+        for key in keys:
+            try:
+                record, file = self._load(key, files.get(key))
+            except sqlite3.Error as exc:
+                self._sql_error("get", exc)
+                record, file = None, None
+            out.append(record)
+            if record is not None and file is not None:
+                used.append((key, file))
+        self._touch(used)
+        hits = sum(r is not None for r in out)
+        self._counters.add("hits", hits)
+        self._counters.add("misses", len(out) - hits)
+        return out
+
+    def __contains__(self, key: object) -> bool:
+        return self.contains_many([key])[0]  # type: ignore[list-item]
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        keys = [_check_key(k) for k in keys]
+        try:
+            found = self._lookup(keys)
+        except sqlite3.Error as exc:
+            self._sql_error("contains", exc)
+            found = {}
+        return [k in found for k in keys]
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        """Keys starting with ``prefix``, in sorted order, from the index alone."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be str, got {type(prefix).__name__}")
+        found: list[str] = []
+        try:
+            # UTF-8 byte order is code point order, so the matches are one contiguous run
+            cur = self._db().execute(
+                "SELECT key FROM entries WHERE key >= ? ORDER BY key", (prefix,)
+            )
+            while rows := cur.fetchmany(256):
+                stop = False
+                for (key,) in rows:
+                    if not key.startswith(prefix):
+                        stop = True
+                        break
+                    found.append(key)
+                if stop:
+                    break
+        except sqlite3.Error as exc:
+            self._sql_error("keys", exc)
+        return iter(found)
+
+    def _settings(self) -> dict[str, int]:
+        return dict(self._db().execute("SELECT key, value FROM settings"))
+
+    def __len__(self) -> int:
+        try:
+            return self._settings()["count"]
+        except sqlite3.Error as exc:
+            self._sql_error("len", exc)
+            return 0
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            settings = self._settings()
+        except sqlite3.Error as exc:
+            self._sql_error("stats", exc)
+            settings = {"count": 0, "size": 0}
+        return {
+            "backend": "file",
+            "path": str(self.root),
+            "entries": settings["count"],
+            "bytes": settings["size"],
+            "max_bytes": self.max_bytes,
+            **self._counters.snapshot(),
+        }
+
+    # ------------------------------------------------------------ writes
+
+    def put(self, key: str, record: Record) -> None:
+        _check_key(key)
+        check_record(record)
+        if self.max_bytes == 0:
+            return
+        head, views = st.encode(record)  # bad dtypes raise here, before any file exists
+        size = len(head) + sum(v.nbytes for v in views)
+        if self.max_bytes is not None and size > self.max_bytes:
+            log.warning(
+                "file cache: refusing %r (%d bytes) larger than max_bytes=%d",
+                key, size, self.max_bytes,
+            )  # fmt: skip
+            return
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        token = secrets.token_hex(6)
+        pid = os.getpid()
+        name = f"{digest[:2]}/{digest}-{pid}-{token}{SUFFIX}"
+        tmp = self._tmp / f"{pid}-{token}.tmp"
+        final = self._data / name
+        try:
+            try:
+                _write_file(str(tmp), head, views)
+                if not final.parent.is_dir():
+                    final.parent.mkdir(exist_ok=True)
+                    _fsync_dir(self._data)
+                os.replace(tmp, final)
+                _fsync_dir(final.parent)
+            except OSError as exc:
+                _unlink(tmp)
+                _unlink(final)
+                self._counters.add("errors")
+                topic = "enospc" if exc.errno == errno.ENOSPC else "write"
+                self._rlog.warning(topic, "file cache: could not store %r: %s", key, exc)
+                return
+        except BaseException:
+            _unlink(tmp)
+            _unlink(final)
+            raise
+        try:
+            now = time.time()
+            with self._transaction() as db:
+                row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
+                db.execute(_UPSERT, (key, name, size, now, now))
+                evicted = [] if self.max_bytes is None else self._evict(db, self.max_bytes, key)
+        except BaseException as exc:
+            _unlink(final)
+            if not isinstance(exc, sqlite3.Error):
+                raise
+            self._sql_error("put", exc)
+            return
+        self._remove_files([row[0] if row else None, *evicted], evicted=len(evicted))
+
+    def delete(self, key: str) -> bool:
+        _check_key(key)
+        try:
+            with self._transaction() as db:
+                row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
+                if row is not None:
+                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
+        except sqlite3.Error as exc:
+            self._sql_error("delete", exc)
+            return False
+        if row is None:
+            return False
+        self._remove_files([row[0]])
+        return True
+
+    def clear(self) -> None:
+        try:
+            with self._transaction() as db:
+                files = [f for (f,) in db.execute("SELECT file FROM entries")]
+                db.execute("DELETE FROM entries")
+        except sqlite3.Error as exc:
+            self._sql_error("clear", exc)
+            return
+        self._remove_files(files)
+
+    def close(self) -> None:
+        """Close this process's index connections; a later call opens them again."""
+        with self._conns_lock:
+            conns, self._conns = self._conns, []
+            self._local = threading.local()
+        if self._pid != os.getpid():
+            return
+        for conn in conns:
+            try:
+                conn.close()
+            except sqlite3.Error:
+                pass
+
+    def __repr__(self) -> str:
+        return f"DiskBackend({str(self.root)!r}, max_bytes={self.max_bytes})"
+
+
+def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
+    """``file:///abs/path`` or ``file://~/rel`` (home), ``?max_bytes=20GiB&timeout=10``."""
+    host, path = url.netloc, unquote(url.path)
+    if host.startswith("~"):
+        home = os.path.expanduser(host)
+        if home == host:
+            raise ValueError(f"file:// URI {url.geturl()!r}: unknown home folder {host!r}")
+        root = os.path.join(home, path.lstrip("/"))
+    elif host in ("", "localhost"):
+        root = path
+    else:
+        raise ValueError(
+            f"file:// URI {url.geturl()!r} names host {host!r}: use file:///absolute/path "
+            "or file://~/path (relative to your home)"
+        )
+    if not root or not os.path.isabs(root):
+        raise ValueError(f"file:// URI {url.geturl()!r} needs a folder path")
+    max_bytes = opts.size("max_bytes", None)
+    timeout = opts.float("timeout", 10.0)
+    opts.done()
+    return DiskBackend(root, max_bytes=max_bytes, timeout=timeout)
