@@ -3,6 +3,13 @@
 from mlxcache.backends.base import CacheBackend
 from mlxcache.errors import FormatError, UnsupportedVersionError
 from mlxcache.record import Record
+from mlxcache.serializers.prompt_cache import (
+    cache_nbytes,
+    dump_prompt_cache,
+    is_trimmable_prefix,
+    load_prompt_cache,
+    truncate_prompt_cache,
+)
 from mlxcache.uri import DEFAULT_URL, open_backend, register_scheme
 
 __all__ = [
@@ -11,7 +18,12 @@ __all__ = [
     "FormatError",
     "Record",
     "UnsupportedVersionError",
+    "cache_nbytes",
+    "dump_prompt_cache",
+    "is_trimmable_prefix",
+    "load_prompt_cache",
     "open_backend",
     "register_scheme",
+    "truncate_prompt_cache",
 ]
 __version__ = "0.1.0"
