@@ -11,7 +11,7 @@ from mlxcache.backends.base import CacheBackend
 from mlxcache.options import Options
 
 ENV_VAR = "MLXCACHE_URL"
-DEFAULT_URL = "file://~/.cache/mlxcache"
+DEFAULT_URL = "file://~/.cache/mlxcache?max_bytes=20GiB"
 
 Factory = Callable[[SplitResult, Options], CacheBackend]
 
@@ -35,14 +35,14 @@ def schemes() -> list[str]:
 
 
 def default_uri() -> str:
-    """``$MLXCACHE_URL`` when set, else the embedded default (a folder in ~/.cache)."""
+    """``$MLXCACHE_URL`` when set, else the embedded default (~/.cache/mlxcache, 20 GiB LRU)."""
     return os.environ.get(ENV_VAR) or DEFAULT_URL
 
 
 def open_backend(uri: str | None = None, **options: object) -> CacheBackend:
     """Open the backend a URI names; keyword options override the query string.
 
-    ``open_backend()`` uses ``$MLXCACHE_URL`` or ``file://~/.cache/mlxcache``.
+    ``open_backend()`` uses ``$MLXCACHE_URL`` or ``file://~/.cache/mlxcache?max_bytes=20GiB``.
     """
     uri = default_uri() if uri is None else uri
     if not isinstance(uri, str):
