@@ -2,6 +2,8 @@
 
 from mlxcache.backends.base import CacheBackend
 from mlxcache.errors import FormatError, UnsupportedVersionError
+from mlxcache.model_id import model_identity
+from mlxcache.prefix import PrefixCache, PrefixHit
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import (
     cache_nbytes,
@@ -16,8 +18,11 @@ __all__ = [
     "DEFAULT_URL",
     "CacheBackend",
     "FormatError",
+    "PrefixCache",
+    "PrefixHit",
     "Record",
     "UnsupportedVersionError",
+    "model_identity",
     "cache_nbytes",
     "dump_prompt_cache",
     "is_trimmable_prefix",

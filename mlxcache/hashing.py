@@ -131,3 +131,38 @@ def block_hashes(
         parent = chain(parent, tokens[i * block_size : (i + 1) * block_size], extra)
         out.append(parent)
     return out
+
+
+# ---------------------------------------------------------------- prefix-cache helpers
+
+
+def image_runs(tokens: Sequence[int], image_token_id: int) -> list[int]:
+    """Start positions of each run of ``image_token_id`` in ``tokens`` (one run per image)."""
+    t = np.asarray(tokens, dtype=np.int64)
+    is_img = t == image_token_id
+    if not is_img.any():
+        return []
+    starts = is_img & ~np.concatenate(([False], is_img[:-1]))
+    return [int(i) for i in np.flatnonzero(starts)]
+
+
+def all_images_extra(digests: Sequence[bytes]) -> bytes:
+    """Extra key of block 0 when image positions are unknown: every image, in order."""
+    return _h(b"images-all", *digests) if digests else b""
+
+
+def placed_images_extra(
+    digests: Sequence[bytes], positions: Sequence[int], start: int, end: int
+) -> bytes:
+    """Extra key of the tokens ``[start, end)``: each image starting there, with its offset."""
+    parts = [
+        struct.pack("<Q", p - start) + d
+        for d, p in zip(digests, positions, strict=True)
+        if start <= p < end
+    ]
+    return _h(b"images-at", *parts) if parts else b""
+
+
+def vision_digest(seed: bytes, digests: Sequence[bytes]) -> bytes:
+    """Key digest of the vision embeddings of these images (in order) under one namespace."""
+    return _h(b"vision", seed, *digests)

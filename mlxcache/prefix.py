@@ -1,0 +1,385 @@
+"""PrefixCache: block-hashed reuse of prompt caches on any backend, across processes.
+
+Keys are chained SHA-256 block hashes seeded by the model identity and a tenant salt, so a
+second request, a second worker or a restarted server finds the longest cached prefix of a
+prompt (images included, by content and in order) and never anyone else's. See docs/prefix.md.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcache import hashing
+from mlxcache import prefix_records as pr
+from mlxcache.backends.base import CacheBackend, log
+from mlxcache.record import Record
+from mlxcache.uri import open_backend
+
+KEY_ROOT = "mlxcache/prefix/v1"
+
+
+@dataclass
+class PrefixHit:
+    """The longest cached prefix of a request.
+
+    ``prompt_cache`` holds exactly ``num_tokens`` tokens in new cache objects (``None`` when
+    only the vision embeddings were found); ``extras`` are the arrays stored with a prompt that
+    ended exactly at ``num_tokens`` (else empty).
+    """
+
+    num_tokens: int
+    prompt_cache: list[Any] | None
+    extras: dict[str, mx.array] = field(default_factory=dict)
+    vision_embeddings: Any = None
+
+
+def _tokens(token_ids: Any) -> np.ndarray:
+    if isinstance(token_ids, mx.array):
+        token_ids = np.array(token_ids)
+    t = np.asarray(token_ids)
+    if t.ndim == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.ndim != 1 or (t.size and t.dtype.kind not in "iu"):
+        raise TypeError("token_ids must be a 1-D sequence of ints")
+    return t.astype(np.int64, copy=False)
+
+
+class _Plan:
+    """The hashes of one request: its tokens, its images and where the images start."""
+
+    def __init__(self, seed: bytes, tokens: np.ndarray, bs: int, digests, positions) -> None:
+        self.seed, self.tokens, self.bs = seed, tokens, bs
+        self.digests, self.positions = digests, positions
+        self._full: list[bytes] = []
+
+    def extra(self, start: int, end: int) -> bytes:
+        if not self.digests:
+            return b""
+        if self.positions is None:  # unknown positions: every image keys block 0
+            return hashing.all_images_extra(self.digests) if start == 0 else b""
+        return hashing.placed_images_extra(self.digests, self.positions, start, end)
+
+    def parent(self, i: int) -> bytes:
+        return self.full(i)[i - 1] if i else self.seed
+
+    def full(self, n: int) -> list[bytes]:
+        """Hashes of the first ``n`` whole blocks."""
+        bs, t = self.bs, self.tokens
+        while len(self._full) < n:
+            i = len(self._full)
+            a = i * bs
+            self._full.append(hashing.chain(self.parent(i), t[a : a + bs], self.extra(a, a + bs)))
+        return self._full[:n]
+
+    def partial(self, i: int, r: int) -> bytes:
+        """Hash of the first ``r`` tokens of block ``i`` (the key of a stored length)."""
+        a = i * self.bs
+        return hashing.chain(self.parent(i), self.tokens[a : a + r], self.extra(a, a + r))
+
+    def block_tokens(self, i: int, r: int | None = None) -> bytes:
+        a = i * self.bs
+        return hashing.tokens_bytes(self.tokens[a : a + (self.bs if r is None else r)])
+
+
+class PrefixCache:
+    """Stores prompt caches by block and finds the longest cached prefix of a new prompt.
+
+    ``backend`` is a CacheBackend, a URI for ``open_backend`` or None (``$MLXCACHE_URL`` or
+    the default folder). ``model`` is the model identity (see ``model_identity``); ``salt``
+    isolates tenants. With ``image_token_id``, each image keys the block where its placeholder
+    run starts, so text before an image is shared across images (see docs/prefix.md).
+    """
+
+    def __init__(
+        self,
+        backend: CacheBackend | str | None = None,
+        *,
+        model: str,
+        block_size: int = 256,
+        salt: str = "",
+        image_token_id: int | None = None,
+    ) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if backend is None or isinstance(backend, str):
+            self.backend: CacheBackend = open_backend(backend)
+            self._owns_backend = True
+        elif isinstance(backend, CacheBackend):
+            self.backend, self._owns_backend = backend, False
+        else:
+            raise TypeError(f"backend must be a CacheBackend or a URI, got {type(backend)}")
+        self.model, self.salt, self.block_size = model, salt, block_size
+        self.image_token_id = image_token_id
+        self._seed = hashing.namespace_seed(model, salt)
+        self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(
+            ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
+             "stores", "tokens_written", "records_written", "rejected"), 0)  # fmt: skip
+
+    # ------------------------------------------------------------ keys
+
+    def _key(self, kind: str, digest: bytes) -> str:
+        return f"{self.key_prefix}{kind}/{digest.hex()}"
+
+    def _plan(self, tokens: np.ndarray, images: Sequence[Any], positions: Any) -> _Plan:
+        digests = [hashing.image_digest(im) for im in images]
+        if positions is not None:
+            positions = [int(p) for p in positions]
+            if len(positions) != len(digests) or positions != sorted(positions):
+                raise ValueError("image_positions must give one ascending start per image")
+            if positions and not 0 <= positions[0] <= positions[-1] < max(len(tokens), 1):
+                raise ValueError("image_positions must lie inside token_ids")
+        elif digests and self.image_token_id is not None:
+            runs = hashing.image_runs(tokens, self.image_token_id)
+            positions = runs if len(runs) == len(digests) else None
+        return _Plan(self._seed, tokens, self.block_size, digests, positions)
+
+    def _vision_key(self, plan: _Plan) -> str | None:
+        if not plan.digests:
+            return None
+        return self._key("v", hashing.vision_digest(self._seed, plan.digests))
+
+    def _count(self, **kw: int) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                self._counts[k] += v
+
+    # ------------------------------------------------------------ store
+
+    def store(
+        self,
+        token_ids: Any,
+        prompt_cache: Sequence[Any],
+        *,
+        images: Sequence[Any] = (),
+        extras: Mapping[str, Any] | None = None,
+        vision_embeddings: Any = None,
+        image_positions: Sequence[int] | None = None,
+    ) -> int:
+        """Store the cache of exactly ``token_ids``; returns how many new tokens were written.
+
+        Only blocks not yet stored are written (one ``contains_many`` first). ``extras`` (e.g.
+        ``{"rope_deltas": ...}``) are kept with this exact length.
+        """
+        tokens = _tokens(token_ids)
+        images = list(images)
+        if vision_embeddings is not None and not images:
+            raise ValueError("vision_embeddings are keyed by their images: pass images=")
+        plan = self._plan(tokens, images, image_positions)
+        n, bs = len(tokens), self.block_size
+        layers = list(prompt_cache) if n else []
+        if n:
+            pr.check_lengths(layers, n)
+        lay = pr.layout(layers)
+        n_full, r = divmod(n, bs)
+        # (key, block index, tokens in it) for blocks; then the tail; then the vision entry
+        blocks = [(self._key("b", h), i, bs) for i, h in enumerate(plan.full(n_full))]
+        if r:
+            blocks.append((self._key("b", plan.partial(n_full, r)), n_full, r))
+        keys = [k for k, _, _ in blocks]
+        tail_key = (
+            self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1]) if n else None
+        )
+        if tail_key:
+            keys.append(tail_key)
+        vkey = self._vision_key(plan) if vision_embeddings is not None else None
+        if vkey:
+            keys.append(vkey)
+        if not keys:
+            return 0
+        exists = self.backend.contains_many(keys)
+        written = records = 0
+        for (key, i, m), there in zip(blocks, exists, strict=False):
+            if not there:
+                rec = pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m)
+                self.backend.put(key, rec)
+                written, records = written + m, records + 1
+        if tail_key and not exists[len(blocks)]:
+            last = n_full if r else n_full - 1
+            rec = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
+            self.backend.put(tail_key, rec)
+            records += 1
+        if vkey and not exists[-1]:
+            from mlxcache.serializers.prompt_cache import dump_prompt_cache
+
+            self.backend.put(vkey, dump_prompt_cache(vision_embeddings, meta={"kind": "vision"}))
+            records += 1
+        self._count(stores=1, tokens_written=written, records_written=records)
+        return written
+
+    # ------------------------------------------------------------ lookup
+
+    def lookup(
+        self,
+        token_ids: Any,
+        *,
+        images: Sequence[Any] = (),
+        image_positions: Sequence[int] | None = None,
+        require_extras: bool = False,
+    ) -> PrefixHit | None:
+        """The longest cached prefix of ``token_ids`` with these images, or None.
+
+        One ``contains_many`` (a second, of at most ``block_size - 1`` keys, when the match
+        ends inside the request's whole blocks) and one ``get_many``. With
+        ``require_extras`` a hit must end at a stored length (where extras were kept).
+        """
+        tokens = _tokens(token_ids)
+        plan = self._plan(tokens, list(images), image_positions)
+        n, bs = len(tokens), self.block_size
+        n_full, r = divmod(n, bs)
+        full = plan.full(n_full)
+        trail = [plan.partial(n_full, m) for m in range(1, r + 1)]
+        vkey = self._vision_key(plan)
+        keys = [self._key("b", h) for h in full] + [self._key("t", h) for h in full]
+        keys += [self._key("t", p) for p in trail] + ([vkey] if vkey else [])
+        found = self.backend.contains_many(keys) if keys else []
+        k = next((i for i, f in enumerate(found[:n_full]) if not f), n_full)
+        # the longest stored length inside block k (the block after the leading whole blocks)
+        if k == n_full:
+            part = [m for m, f in zip(range(1, r + 1), found[2 * n_full :], strict=False) if f]
+        else:
+            cands = [plan.partial(k, m) for m in range(1, bs)]
+            there = self.backend.contains_many([self._key("t", p) for p in cands])
+            part = [m for m, f in zip(range(1, bs), there, strict=True) if f]
+        pm = part[-1] if part else 0
+        aligned = max((i for i in range(1, k + 1) if found[n_full + i - 1]), default=0)
+
+        fetch = [self._key("b", h) for h in full[:k]]
+        if pm:
+            p = plan.partial(k, pm)
+            fetch += [self._key("b", p), self._key("t", p)]
+        elif aligned:
+            fetch.append(self._key("t", full[aligned - 1]))
+        if vkey and found[-1]:
+            fetch.append(vkey)
+        recs = self.backend.get_many(fetch) if fetch else []
+        hit = self._assemble(plan, k, pm, aligned, recs, require_extras)
+        if vkey and found[-1]:
+            vision = self._vision(recs[-1])
+            if vision is not None:
+                self._count(vision_hits=1)
+                hit = hit or PrefixHit(0, None)
+                hit.vision_embeddings = vision
+        self._count(lookups=1, tokens_requested=n)
+        if hit is None or not hit.num_tokens:
+            self._count(misses=1)
+        else:
+            self._count(hits=1, tokens_reused=hit.num_tokens)
+        return hit
+
+    def _vision(self, rec: Record | None) -> Any:
+        if rec is None:
+            return None
+        from mlxcache.serializers.prompt_cache import load_prompt_cache
+
+        try:
+            value, meta = load_prompt_cache(rec, return_metadata=True)
+        except ValueError as e:
+            self._reject(e)
+            return None
+        if (meta or {}).get("kind") != "vision":
+            self._reject(ValueError("not a vision-embeddings record"))
+            return None
+        return value
+
+    def _reject(self, err: Exception) -> None:
+        log.warning("prefix cache: ignoring a stored record: %s", err)
+        self._count(rejected=1)
+
+    def _assemble(
+        self, plan: _Plan, k: int, pm: int, aligned: int, recs: list, require_extras: bool
+    ) -> PrefixHit | None:
+        """Verify what was fetched and restore the longest usable length (or None)."""
+        bs = self.block_size
+        blocks: list[Record] = []
+        lay: list[str] | None = None
+        for i in range(k):  # whole blocks, in order, until one fails
+            rec = recs[i]
+            if rec is None:
+                break
+            try:
+                lay = pr.check_block(
+                    rec, i * bs, plan.block_tokens(i), lay, blocks[-1] if blocks else None
+                )
+            except pr.RecordMismatch as e:
+                self._reject(e)
+                break
+            blocks.append(rec)
+        kv = len(blocks)
+        part_block = part_tail = None
+        if pm and kv == k and recs[k] is not None:
+            try:
+                like = blocks[-1] if blocks else None
+                lay = pr.check_block(recs[k], k * bs, plan.block_tokens(k, pm), lay, like)
+                part_block = recs[k]
+                if recs[k + 1] is not None:
+                    pr.check_tail(recs[k + 1], k * bs + pm, plan.block_tokens(k, pm), lay)
+                    part_tail = recs[k + 1]
+            except pr.RecordMismatch as e:
+                self._reject(e)
+        al_tail = None
+        if not pm and aligned and aligned <= kv and recs[k] is not None:
+            try:
+                pr.check_tail(recs[k], aligned * bs, plan.block_tokens(aligned - 1), lay)
+                al_tail = recs[k]
+            except pr.RecordMismatch as e:
+                self._reject(e)
+        if lay is None:
+            return None
+        need_tail = require_extras or pr.has_checkpoint(lay)
+        # candidates (length, blocks, tail), longest first
+        if part_block is not None and (part_tail is not None or not need_tail):
+            choice = (k * bs + pm, [*blocks, part_block], part_tail)
+        elif al_tail is not None and (aligned == kv or need_tail):
+            choice = (aligned * bs, blocks[:aligned], al_tail)
+        elif not need_tail and kv:
+            choice = (kv * bs, blocks, None)
+        else:
+            return None
+        num, used, tail = choice
+        try:
+            layers = pr.join_blocks(used, lay) if used else {}
+            ckpt, extras = pr.read_tail(tail, lay) if tail is not None else ({}, {})
+        except (pr.RecordMismatch, ValueError, KeyError) as e:
+            self._reject(e)
+            return None
+        layers.update(ckpt)
+        cache = [layers[j] for j in range(len(lay))]
+        mx.eval([c.state for c in cache], list(extras.values()))
+        return PrefixHit(num, cache, extras)
+
+    # ------------------------------------------------------------ the rest
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this object (hits, misses, tokens reused...) and the backend's stats."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+        out["backend"] = self.backend.stats()
+        return out
+
+    def clear(self) -> int:
+        """Delete every entry of this model and salt (a key scan: an admin operation)."""
+        keys = list(self.backend.keys(self.key_prefix))
+        return sum(self.backend.delete(k) for k in keys)
+
+    def close(self) -> None:
+        """Close the backend if this object opened it (from a URI)."""
+        if self._owns_backend:
+            self.backend.close()
+
+    def __enter__(self) -> PrefixCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PrefixCache(model={self.model!r}, block_size={self.block_size}, {self.backend!r})"

@@ -1,0 +1,201 @@
+"""PrefixCache records: per-block KV slices, whole-prefix checkpoints and extras.
+
+A prompt cache is a list of layers. Layers whose state is a plain token sequence (KVCache and
+its kin, see ``BLOCK_CLASSES``) are cut into blocks: a block record holds only that block's
+keys/values. Every other layer (RotatingKVCache, ArraysCache, ChunkedKVCache, ...) is a
+*checkpoint* layer: its whole state goes, through the prompt-cache serializer, into the tail
+record of one stored length. The treatment is decided by class, never by state, so every block
+record of a model has the same layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from mlxcache.record import Record
+
+# exact classes (by module) whose state is keys/values along axis -2 and nothing else
+LIBRARIES = {"mlx_vlm.models.cache": "mlx_vlm", "mlx_lm.models.cache": "mlx_lm"}
+BLOCK_CLASSES = ("KVCache", "ConcatenateKVCache", "SimpleKVCache", "QuantizedKVCache")
+
+
+class RecordMismatch(ValueError):
+    """A stored record does not belong where it was found (a miss, never served)."""
+
+
+def layer_tag(layer: Any) -> str:
+    """``"b:mlx_vlm.KVCache"`` for a block layer, ``"c:<module>.<Class>"`` for a checkpoint."""
+    cls = type(layer)
+    lib = LIBRARIES.get(cls.__module__)
+    if lib is not None and cls.__name__ in BLOCK_CLASSES:
+        return f"b:{lib}.{cls.__name__}"
+    return f"c:{cls.__module__}.{cls.__name__}"
+
+
+def layout(prompt_cache: Sequence[Any]) -> list[str]:
+    return [layer_tag(c) for c in prompt_cache]
+
+
+def has_checkpoint(lay: Sequence[str]) -> bool:
+    return any(t.startswith("c:") for t in lay)
+
+
+def _length(layer: Any) -> int:
+    n = layer.cache_length if type(layer).__name__ == "SimpleKVCache" else layer.offset
+    return int(n)
+
+
+def check_lengths(prompt_cache: Sequence[Any], num_tokens: int) -> None:
+    """Every layer that counts its tokens must hold exactly ``num_tokens`` of them."""
+    for i, c in enumerate(prompt_cache):
+        if layer_tag(c).startswith("b:"):
+            n = _length(c)
+        else:
+            n = getattr(c, "offset", None)
+            if not isinstance(n, int) or isinstance(n, bool):
+                continue  # state caches (ArraysCache...) do not count tokens
+        if n != num_tokens:
+            raise ValueError(
+                f"prompt_cache[{i}] ({type(c).__name__}) holds {n} tokens but token_ids has "
+                f"{num_tokens}: store the cache of exactly these tokens"
+            )
+
+
+def _parts(x: Any) -> tuple[mx.array, ...]:
+    return tuple(x) if isinstance(x, tuple | list) else (x,)
+
+
+def block_record(
+    prompt_cache: Sequence[Any], lay: list[str], start: int, tokens: bytes, n: int
+) -> Record:
+    """The block ``[start, start + n)`` of every block layer, as new (sliced) arrays."""
+    arrays: dict[str, mx.array] = {}
+    quant: list[Any] = []
+    for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True)):
+        if not tag.startswith("b:"):
+            quant.append(None)
+            continue
+        quant.append([int(c.group_size), int(c.bits)] if hasattr(c, "group_size") else None)
+        for side, x in (("k", c.keys), ("v", c.values)):
+            for p, part in enumerate(_parts(x)):
+                arrays[f"{j}.{side}{p}"] = part[..., start : start + n, :]
+    meta = {"kind": "block", "start": start, "tokens": tokens, "layout": lay, "quant": quant}
+    return Record(arrays=arrays, meta=meta)
+
+
+def check_block(
+    rec: Record, start: int, tokens: bytes, lay: list[str] | None, like: Record | None
+) -> list[str]:
+    """Verify a fetched block record against the request; returns its layout."""
+    m = rec.meta
+    if m.get("kind") != "block" or m.get("start") != start or m.get("tokens") != tokens:
+        raise RecordMismatch("block start or tokens differ from the request")
+    if lay is not None and m.get("layout") != lay:
+        raise RecordMismatch("block layout differs from the earlier blocks")
+    n = len(tokens) // 8
+    for name, a in rec.arrays.items():
+        if a.ndim < 2 or a.shape[-2] != n:
+            raise RecordMismatch(f"block array {name!r} does not hold {n} tokens")
+    if like is not None:
+        if like.meta.get("quant") != m.get("quant") or set(like.arrays) != set(rec.arrays):
+            raise RecordMismatch("block arrays differ from the earlier blocks")
+        for name, a in rec.arrays.items():
+            b = like.arrays[name]
+            if a.dtype != b.dtype or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]:
+                raise RecordMismatch(f"block array {name!r} has another shape or dtype")
+    return list(m.get("layout") or [])
+
+
+def _new_layer(tag: str, quant: Any) -> Any:
+    lib, _, name = tag[2:].partition(".")
+    if lib == "mlx_vlm":
+        from mlx_vlm.models import cache as mod
+    else:
+        from mlx_lm.models import cache as mod
+    cls = getattr(mod, name)
+    return cls(group_size=quant[0], bits=quant[1]) if quant else cls()
+
+
+def join_blocks(blocks: Sequence[Record], lay: list[str]) -> dict[int, Any]:
+    """Rebuild every block layer from consecutive verified blocks: {layer index: cache}."""
+    quant = blocks[0].meta["quant"]
+    n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
+    out: dict[int, Any] = {}
+    for j, tag in enumerate(lay):
+        if not tag.startswith("b:"):
+            continue
+
+        def joined(side: str, j: int = j) -> Any:
+            names = sorted(k for k in blocks[0].arrays if k.startswith(f"{j}.{side}"))
+            parts = tuple(mx.concatenate([b.arrays[k] for b in blocks], axis=-2) for k in names)
+            return parts if quant[j] else parts[0]
+
+        c = _new_layer(tag, quant[j])
+        c.keys, c.values = joined("k"), joined("v")
+        if tag.endswith(".SimpleKVCache"):
+            c.cache_length = n
+        else:
+            c.offset = n
+        out[j] = c
+    return out
+
+
+def tail_record(
+    prompt_cache: Sequence[Any],
+    lay: list[str],
+    length: int,
+    tokens: bytes,
+    extras: Mapping[str, Any] | None,
+) -> Record:
+    """What one stored length needs besides its blocks: checkpoint layers and extras."""
+    arrays: dict[str, mx.array] = {}
+    ckpt_meta = None
+    ckpt = [c for c, tag in zip(prompt_cache, lay, strict=True) if tag.startswith("c:")]
+    if ckpt:
+        from mlxcache.serializers.prompt_cache import dump_prompt_cache
+
+        rec = dump_prompt_cache(ckpt)
+        arrays.update({f"c.{k}": v for k, v in rec.arrays.items()})
+        ckpt_meta = dict(rec.meta)
+    names = []
+    for name, value in (extras or {}).items():
+        if not isinstance(name, str):
+            raise TypeError(f"extras keys must be str, got {name!r}")
+        arrays[f"x.{name}"] = value if isinstance(value, mx.array) else mx.array(value)
+        names.append(name)
+    meta = {
+        "kind": "tail",
+        "length": length,
+        "tokens": tokens,
+        "layout": lay,
+        "ckpt": ckpt_meta,
+        "extras": names,
+    }
+    return Record(arrays=arrays, meta=meta)
+
+
+def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -> list[str]:
+    m = rec.meta
+    if m.get("kind") != "tail" or m.get("length") != length or m.get("tokens") != tokens:
+        raise RecordMismatch("tail length or tokens differ from the request")
+    if lay is not None and m.get("layout") != lay:
+        raise RecordMismatch("tail layout differs from its blocks")
+    return list(m.get("layout") or [])
+
+
+def read_tail(rec: Record, lay: list[str]) -> tuple[dict[int, Any], dict[str, mx.array]]:
+    """Checkpoint layers ({layer index: cache}) and extras of a verified tail record."""
+    extras = {name: rec.arrays[f"x.{name}"] for name in rec.meta["extras"]}
+    idx = [j for j, tag in enumerate(lay) if tag.startswith("c:")]
+    if not idx:
+        return {}, extras
+    from mlxcache.serializers.prompt_cache import load_prompt_cache
+
+    arrays = {k[2:]: v for k, v in rec.arrays.items() if k.startswith("c.")}
+    layers = load_prompt_cache(Record(arrays=arrays, meta=rec.meta["ckpt"]))
+    if [layer_tag(c) for c in layers] != [lay[j] for j in idx]:
+        raise RecordMismatch("checkpoint layers differ from the layout")
+    return dict(zip(idx, layers, strict=True)), extras

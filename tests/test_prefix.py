@@ -1,0 +1,356 @@
+"""PrefixCache on real caches from a real forward pass of the tiny models, on every backend."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_vlm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+from mlxcache import PrefixCache, PrefixHit, model_identity, open_backend
+from mlxcache.backends.memory import MemoryBackend
+from mlxcache.tiny_models import build_model, load_config
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return build_model("qwen2_vl")[0]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return build_model("gemma3")[0]
+
+
+def prefill(model, ids, cache=None, rope_deltas=None):
+    """Run the language model on ``ids`` (continuing ``cache``); returns (last logits, cache).
+
+    Qwen2-VL keeps M-RoPE state between calls: it is reset here, and a continued cache needs
+    the ``rope_deltas`` of its prompt (stored as an extra, or recomputed from the request).
+    """
+    lm = model.language_model
+    kw = {}
+    if hasattr(lm, "_rope_deltas"):
+        lm._rope_deltas, lm._position_ids = None, None
+        if cache is not None:
+            kw["rope_deltas"] = rope_deltas
+    cache = make_prompt_cache(lm) if cache is None else cache
+    logits = lm(mx.array([list(ids)]), cache=cache, **kw).logits[0, -1]
+    mx.eval(logits)
+    return logits, cache
+
+
+def bits(a: mx.array) -> bytes:
+    return bytes(memoryview(a))
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(1, 900, n).tolist()
+
+
+@pytest.fixture(params=["memory", "file", "redis"])
+def uri(request, tmp_path):
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "file":
+        return f"file://{tmp_path}/cache"
+    return request.getfixturevalue("redis_url")
+
+
+@pytest.fixture(scope="module")
+def turn1(qwen):
+    ids = prompt(40)
+    return ids, prefill(qwen, ids)[1]
+
+
+# ---------------------------------------------------------------- hits and misses
+
+
+def test_exact_repeat_hits_in_full_and_store_writes_only_new_blocks(uri, turn1):
+    ids, cache = turn1
+    with PrefixCache(uri, model="qwen", block_size=BS) as pc:
+        assert pc.store(ids, cache) == 40
+        assert pc.store(ids, cache) == 0  # everything exists already
+        hit = pc.lookup(ids)
+        assert isinstance(hit, PrefixHit) and hit.num_tokens == 40
+        assert [type(c) for c in hit.prompt_cache] == [KVCache] * 4
+        for got, want in zip(hit.prompt_cache, cache, strict=True):
+            assert got.offset == 40
+            assert bits(got.keys) == bits(want.keys[..., :40, :])
+            assert bits(got.values) == bits(want.values[..., :40, :])
+        assert pc.lookup(prompt(40, seed=1)) is None
+        s = pc.stats()
+        assert (s["hits"], s["misses"], s["tokens_reused"], s["tokens_written"]) == (1, 1, 40, 40)
+
+
+def test_turn_two_reuses_turn_one_and_continues_bit_exactly(qwen, turn1):
+    ids, cache = turn1
+    lm = qwen.language_model
+    prefill(qwen, ids)
+    deltas = lm._rope_deltas  # M-RoPE state the model needs to resume: kept as an extra
+    pc = PrefixCache("memory://", model="qwen", block_size=BS)
+    pc.store(ids, cache, extras={"rope_deltas": deltas})
+    turn2 = ids + prompt(30, seed=2)  # turn 1 + answer + new question
+    hit = pc.lookup(turn2)
+    assert hit.num_tokens == 40  # turn 1's blocks and its stored partial tail
+    assert bits(hit.extras["rope_deltas"]) == bits(deltas)
+    warm, _ = prefill(qwen, turn2[40:], hit.prompt_cache, hit.extras["rope_deltas"])
+    cold, _ = prefill(qwen, turn2)
+    assert bits(warm) == bits(cold)
+    # shares 37 tokens: reuses the 2 whole blocks; no extras there, so recompute them
+    diverged = ids[:37] + prompt(20, seed=3)
+    hit = pc.lookup(diverged)
+    assert hit.num_tokens == 32 and hit.extras == {}
+    assert pc.lookup(diverged, require_extras=True) is None  # no stored length at <= 37
+    _, deltas2 = lm.get_rope_index(mx.array([diverged]), None, None, None)
+    warm, _ = prefill(qwen, diverged[32:], hit.prompt_cache, deltas2)
+    cold, _ = prefill(qwen, diverged)
+    assert bits(warm) == bits(cold)
+
+
+def test_gemma3_mixed_rotating_and_kv_hits_only_at_checkpoints(gemma, uri):
+    ids = prompt(100, seed=4)  # past the 64-token window: the rotating layers have wrapped
+    _, cache = prefill(gemma, ids)
+    assert {type(c) for c in cache} == {RotatingKVCache, KVCache}
+    with PrefixCache(uri, model="gemma", block_size=BS) as pc:
+        assert pc.store(ids, cache) == 100
+        request = ids + prompt(25, seed=5)
+        hit = pc.lookup(request)
+        assert hit.num_tokens == 100
+        assert [type(c) for c in hit.prompt_cache] == [type(c) for c in cache]
+        warm, _ = prefill(gemma, request[100:], hit.prompt_cache)
+        cold, _ = prefill(gemma, request)
+        assert bits(warm) == bits(cold)
+        # whole blocks exist below 100, but no checkpoint: the rotating layers cannot be cut
+        assert pc.lookup(ids[:80]) is None
+        assert pc.lookup(ids[:90] + prompt(20, seed=6)) is None
+        # a block-aligned checkpoint (96 = 6 blocks) is found below a longer request
+        _, c96 = prefill(gemma, ids[:96])
+        assert pc.store(ids[:96], c96) == 0
+        assert pc.lookup(ids[:99] + [5]).num_tokens == 96
+
+
+def test_images_count_by_content_and_order(turn1):
+    ids, cache = turn1
+    a, b, c = b"image-a", b"image-b", b"image-c"
+    pc = PrefixCache("memory://", model="qwen", block_size=BS)
+    pc.store(ids, cache, images=[a, b])
+    assert pc.lookup(ids, images=[a, b]).num_tokens == 40
+    assert pc.lookup(ids, images=[b, a]) is None  # swapped
+    assert pc.lookup(ids, images=[a, c]) is None  # another image
+    assert pc.lookup(ids, images=[a]) is None
+    assert pc.lookup(ids) is None  # the same tokens without images
+    pc.store(ids, cache)
+    assert pc.lookup(ids, images=[b, a]) is None
+    assert pc.lookup(ids).num_tokens == 40
+
+
+def test_image_positions_share_text_before_the_image(qwen):
+    img = 999  # the tiny Qwen2-VL's image token
+    ids = prompt(40, seed=7) + [img] * 16 + prompt(10, seed=8)  # image run starts at 40
+    _, cache = prefill(qwen, ids)
+    pc = PrefixCache("memory://", model="qwen", block_size=BS, image_token_id=img)
+    pc.store(ids, cache, images=[b"cat"])
+    assert pc.lookup(ids, images=[b"cat"]).num_tokens == 66
+    # another image: the two whole blocks before the image's block are shared, no more
+    assert pc.lookup(ids, images=[b"dog"]).num_tokens == 32
+    # a later turn that adds a second image still reuses the whole first turn
+    turn2 = ids + prompt(6, seed=9) + [img] * 16
+    assert pc.lookup(turn2, images=[b"cat", b"dog"]).num_tokens == 66
+    assert pc.lookup(turn2, images=[b"dog", b"cat"]).num_tokens == 32  # swapped
+    # explicit positions key the same way as the detected runs
+    assert pc.lookup(ids, images=[b"cat"], image_positions=[40]).num_tokens == 66
+    # positions unknown (runs do not match the images): every image keys block 0, a miss
+    assert pc.lookup(ids + [1, img, img], images=[b"cat"]) is None
+    assert pc.lookup(ids, images=[b"cat", b"cat"]) is None
+
+
+def test_other_model_or_salt_misses(turn1):
+    ids, cache = turn1
+    backend = MemoryBackend()
+    PrefixCache(backend, model="qwen", salt="tenant-a", block_size=BS).store(ids, cache)
+    assert PrefixCache(backend, model="qwen", salt="tenant-a", block_size=BS).lookup(ids)
+    assert PrefixCache(backend, model="qwen", salt="tenant-b", block_size=BS).lookup(ids) is None
+    assert (
+        PrefixCache(backend, model="qwen-4bit", salt="tenant-a", block_size=BS).lookup(ids) is None
+    )
+    assert all(k.startswith("mlxcache/prefix/v1/") for k in backend.keys())
+
+
+def test_forged_or_broken_records_are_misses_never_wrong_hits(qwen, turn1):
+    ids, cache = turn1
+    other = prompt(40, seed=10)
+    backend = MemoryBackend()
+    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    pc.store(ids, cache)
+    keys_a = set(backend.keys())
+    pc.store(other, prefill(qwen, other)[1])
+    keys_b = sorted(set(backend.keys()) - keys_a)
+    # put turn 1's records under every key of the other prompt: a collision or a foreign entry
+    records_a = [backend.get(k) for k in sorted(keys_a)]
+    for k in keys_b:
+        kind = k.split("/")[-2]
+        backend.put(k, next(r for r in records_a if r.meta.get("kind") == rec_kind(kind)))
+    assert pc.lookup(other) is None
+    assert pc.stats()["rejected"] >= 1
+    # a block whose arrays lost a layer stops the hit at the block before it
+    pc2 = PrefixCache(MemoryBackend(), model="qwen", block_size=BS)
+    pc2.store(ids, cache)
+    key1 = pc2._key("b", pc2._plan(np.asarray(ids), [], None).full(2)[1])
+    rec = pc2.backend.get(key1)
+    broken = {k: v for k, v in rec.arrays.items() if not k.startswith("3.")}
+    pc2.backend.put(key1, type(rec)(arrays=broken, meta=rec.meta))
+    assert pc2.lookup(ids).num_tokens == 16
+
+
+def rec_kind(kind: str) -> str:
+    return {"b": "block", "t": "tail"}[kind]
+
+
+def test_vision_embeddings_come_back_even_when_the_tokens_miss(turn1):
+    ids, cache = turn1
+    emb = mx.random.normal((1, 16, 64)).astype(mx.bfloat16)
+    pc = PrefixCache("memory://", model="qwen", block_size=BS)
+    pc.store(ids, cache, images=[b"cat"], vision_embeddings=emb)
+    hit = pc.lookup(prompt(30, seed=11), images=[b"cat"])
+    assert hit.num_tokens == 0 and hit.prompt_cache is None
+    assert bits(hit.vision_embeddings) == bits(emb)
+    hit = pc.lookup(ids, images=[b"cat"])
+    assert hit.num_tokens == 40 and bits(hit.vision_embeddings) == bits(emb)
+    assert pc.lookup(ids, images=[b"dog"]) is None
+    with pytest.raises(ValueError, match="images"):
+        pc.store(ids, cache, vision_embeddings=emb)
+
+
+def test_no_aliasing_between_caller_store_and_hits(qwen):
+    ids = prompt(40, seed=12)
+    _, cache = prefill(qwen, ids)
+    before = bits(cache[0].keys[..., :40, :])
+    pc = PrefixCache("memory://", model="qwen", block_size=BS)
+    pc.store(ids, cache)
+    cache[0].trim(10)  # the caller reuses its cache: trim and write new tokens
+    prefill(qwen, prompt(10, seed=13), cache)
+    hit = pc.lookup(ids)
+    assert bits(hit.prompt_cache[0].keys) == before
+    prefill(qwen, prompt(5, seed=14), hit.prompt_cache)  # the hit is continued...
+    hit.prompt_cache[0].trim(20)
+    prefill(qwen, prompt(20, seed=15), hit.prompt_cache)
+    assert bits(pc.lookup(ids).prompt_cache[0].keys) == before  # ...the store is untouched
+
+
+class CountingBackend(MemoryBackend):
+    """A real memory backend that counts round trips."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = {"contains_many": 0, "get_many": 0, "get": 0}
+
+    def contains_many(self, keys):
+        self.calls["contains_many"] += 1
+        return super().contains_many(keys)
+
+    def get_many(self, keys):
+        self.calls["get_many"] += 1
+        return [MemoryBackend.get(self, k) for k in keys]
+
+    def get(self, key):  # a single get outside get_many would be another round trip
+        self.calls["get"] += 1
+        return super().get(key)
+
+
+def test_lookup_round_trips(turn1):
+    ids, cache = turn1
+    backend = CountingBackend()
+    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    pc.store(ids, cache)
+    backend.calls = dict.fromkeys(backend.calls, 0)
+    assert pc.lookup(ids).num_tokens == 40
+    assert backend.calls == {"contains_many": 1, "get_many": 1, "get": 0}
+    backend.calls = dict.fromkeys(backend.calls, 0)
+    assert pc.lookup(ids + prompt(200, seed=16)).num_tokens == 40
+    assert backend.calls == {"contains_many": 2, "get_many": 1, "get": 0}
+
+
+def test_model_identity():
+    model, _ = build_model("qwen2_vl")
+    ident = model_identity(model)
+    assert ident.startswith("qwen2_vl/cfg-") and "/q-none/w-" in ident
+    assert model_identity(model) == ident
+    assert model_identity(model, revision="abc123").endswith("@abc123")
+    cfg = load_config("qwen2_vl")
+    assert model_identity(cfg) == model_identity(load_config("qwen2_vl"))
+    cfg2 = load_config("qwen2_vl")
+    cfg2["text_config"]["rms_norm_eps"] = 1e-5
+    assert model_identity(cfg2) != model_identity(cfg)
+    cfg["quantization"] = {"group_size": 64, "bits": 4}
+    assert "/q-4b64" in model_identity(cfg)
+    assert model_identity(model, hash_weights=True) != ident
+    gemma, _ = build_model("gemma3")
+    assert model_identity(gemma).startswith("gemma3/")
+
+
+# ---------------------------------------------------------------- across processes
+
+SCRIPT = textwrap.dedent(
+    """
+    import hashlib, sys
+    import mlx.core as mx, numpy as np
+    from mlx_vlm.models.cache import make_prompt_cache
+    from mlxcache import PrefixCache
+    from mlxcache.tiny_models import build_model
+
+    uri, mode = sys.argv[1], sys.argv[2]
+    ids = np.random.default_rng(20).integers(1, 900, 50).tolist()
+    model = build_model("qwen2_vl")[0]
+    lm = model.language_model
+    with PrefixCache(uri, model="qwen-xproc", block_size=16) as pc:
+        if mode == "store":
+            cache = make_prompt_cache(lm)
+            mx.eval(lm(mx.array([ids]), cache=cache).logits)
+            print(pc.store(ids, cache, extras={"rope_deltas": lm._rope_deltas}))
+        else:
+            request = ids + [7, 8, 9]
+            hit = pc.lookup(request)
+            rest = mx.array([request[hit.num_tokens:]])
+            deltas = hit.extras["rope_deltas"]
+            logits = lm(rest, cache=hit.prompt_cache, rope_deltas=deltas).logits
+            mx.eval(logits)
+            print(hit.num_tokens, hashlib.sha256(memoryview(logits[0, -1])).hexdigest())
+    """
+)
+
+
+def test_two_processes_share_file_and_redis(tmp_path, redis_url, qwen):
+    script = tmp_path / "worker.py"
+    script.write_text(SCRIPT)
+    request = np.random.default_rng(20).integers(1, 900, 50).tolist() + [7, 8, 9]
+    cold, _ = prefill(qwen, request)
+    import hashlib
+
+    want = hashlib.sha256(memoryview(cold)).hexdigest()
+    for uri in (f"file://{tmp_path}/shared", redis_url):
+
+        def run(mode, uri=uri):
+            out = subprocess.run([sys.executable, str(script), uri, mode], capture_output=True,
+                                 text=True, timeout=120)  # fmt: skip
+            assert out.returncode == 0, out.stderr
+            return out.stdout.split()
+
+        assert run("store") == ["50"]  # one process stores...
+        assert run("lookup") == ["50", want]  # ...a new one (a restart) hits, bit-exact
+        assert run("store") == ["0"]
+        with PrefixCache(uri, model="qwen-xproc", block_size=16) as pc:  # and so does this one
+            assert pc.lookup(request).num_tokens == 50
+
+
+def test_dead_backend_is_a_miss(turn1):
+    ids, cache = turn1
+    pc = PrefixCache(open_backend("redis://127.0.0.1:1/0?timeout=0.2"), model="q", block_size=BS)
+    pc.store(ids, cache)
+    assert pc.lookup(ids) is None
