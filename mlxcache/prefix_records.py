@@ -16,6 +16,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.record import Record
+from mlxcache.serializers import adapters
 
 # exact classes (by module) whose state is keys/values along axis -2 and nothing else
 LIBRARIES = {"mlx_vlm.models.cache": "mlx_vlm", "mlx_lm.models.cache": "mlx_lm"}
@@ -43,16 +44,11 @@ def has_checkpoint(lay: Sequence[str]) -> bool:
     return any(t.startswith("c:") for t in lay)
 
 
-def _length(layer: Any) -> int:
-    n = layer.cache_length if type(layer).__name__ == "SimpleKVCache" else layer.offset
-    return int(n)
-
-
 def check_lengths(prompt_cache: Sequence[Any], num_tokens: int) -> None:
     """Every layer that counts its tokens must hold exactly ``num_tokens`` of them."""
     for i, c in enumerate(prompt_cache):
         if layer_tag(c).startswith("b:"):
-            n = _length(c)
+            n = adapters.adapter_for(c)[1].dump(c)["offset"]
         else:
             n = getattr(c, "offset", None)
             if not isinstance(n, int) or isinstance(n, bool):
@@ -71,18 +67,23 @@ def _parts(x: Any) -> tuple[mx.array, ...]:
 def block_record(
     prompt_cache: Sequence[Any], lay: list[str], start: int, tokens: bytes, n: int
 ) -> Record:
-    """The block ``[start, start + n)`` of every block layer, as new (sliced) arrays."""
+    """The block ``[start, start + n)`` of every block layer, as new (sliced) arrays.
+
+    Reads each layer through the serializer's adapter; ``params`` keeps the state's other
+    fields (e.g. QuantizedKVCache's group_size and bits) to rebuild the layer with.
+    """
     arrays: dict[str, mx.array] = {}
-    quant: list[Any] = []
+    params: list[Any] = []
     for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True)):
         if not tag.startswith("b:"):
-            quant.append(None)
+            params.append(None)
             continue
-        quant.append([int(c.group_size), int(c.bits)] if hasattr(c, "group_size") else None)
-        for side, x in (("k", c.keys), ("v", c.values)):
-            for p, part in enumerate(_parts(x)):
-                arrays[f"{j}.{side}{p}"] = part[..., start : start + n, :]
-    meta = {"kind": "block", "start": start, "tokens": tokens, "layout": lay, "quant": quant}
+        state = adapters.adapter_for(c)[1].dump(c)
+        params.append({k: v for k, v in state.items() if k not in ("keys", "values", "offset")})
+        for side in ("keys", "values"):
+            for p, part in enumerate(_parts(state[side])):
+                arrays[f"{j}.{side[0]}{p}"] = part[..., start : start + n, :]
+    meta = {"kind": "block", "start": start, "tokens": tokens, "layout": lay, "params": params}
     return Record(arrays=arrays, meta=meta)
 
 
@@ -100,7 +101,7 @@ def check_block(
         if a.ndim < 2 or a.shape[-2] != n:
             raise RecordMismatch(f"block array {name!r} does not hold {n} tokens")
     if like is not None:
-        if like.meta.get("quant") != m.get("quant") or set(like.arrays) != set(rec.arrays):
+        if like.meta.get("params") != m.get("params") or set(like.arrays) != set(rec.arrays):
             raise RecordMismatch("block arrays differ from the earlier blocks")
         for name, a in rec.arrays.items():
             b = like.arrays[name]
@@ -109,37 +110,22 @@ def check_block(
     return list(m.get("layout") or [])
 
 
-def _new_layer(tag: str, quant: Any) -> Any:
-    lib, _, name = tag[2:].partition(".")
-    if lib == "mlx_vlm":
-        from mlx_vlm.models import cache as mod
-    else:
-        from mlx_lm.models import cache as mod
-    cls = getattr(mod, name)
-    return cls(group_size=quant[0], bits=quant[1]) if quant else cls()
-
-
 def join_blocks(blocks: Sequence[Record], lay: list[str]) -> dict[int, Any]:
     """Rebuild every block layer from consecutive verified blocks: {layer index: cache}."""
-    quant = blocks[0].meta["quant"]
+    params = blocks[0].meta["params"]
     n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
     out: dict[int, Any] = {}
     for j, tag in enumerate(lay):
         if not tag.startswith("b:"):
             continue
-
-        def joined(side: str, j: int = j) -> Any:
-            names = sorted(k for k in blocks[0].arrays if k.startswith(f"{j}.{side}"))
+        lib, _, name = tag[2:].partition(".")
+        cls, adapter = adapters.class_for(lib, name)
+        state: dict[str, Any] = {**params[j], "offset": n}
+        for side in ("keys", "values"):
+            names = sorted(k for k in blocks[0].arrays if k.startswith(f"{j}.{side[0]}"))
             parts = tuple(mx.concatenate([b.arrays[k] for b in blocks], axis=-2) for k in names)
-            return parts if quant[j] else parts[0]
-
-        c = _new_layer(tag, quant[j])
-        c.keys, c.values = joined("k"), joined("v")
-        if tag.endswith(".SimpleKVCache"):
-            c.cache_length = n
-        else:
-            c.offset = n
-        out[j] = c
+            state[side] = parts if len(parts) > 1 else parts[0]
+        out[j] = adapter.load(cls, state)
     return out
 
 

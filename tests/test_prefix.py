@@ -244,6 +244,26 @@ def test_no_aliasing_between_caller_store_and_hits(qwen):
     assert bits(pc.lookup(ids).prompt_cache[0].keys) == before  # ...the store is untouched
 
 
+def test_quantized_and_concatenate_caches_round_trip_by_block(turn1):
+    from mlx_vlm.models.cache import ConcatenateKVCache
+
+    ids, cache = turn1
+    quant = [c.to_quantized(group_size=32, bits=4) for c in cache[:2]]
+    concat = ConcatenateKVCache()
+    concat.update_and_fetch(cache[2].keys[..., :40, :], cache[2].values[..., :40, :])
+    mixed = [*quant, concat, cache[3]]
+    pc = PrefixCache("memory://", model="qwen-q4", block_size=BS)
+    assert pc.store(ids, mixed) == 40
+    hit = pc.lookup(ids + [1, 2])
+    assert hit.num_tokens == 40
+    assert [type(c) for c in hit.prompt_cache] == [type(c) for c in mixed]
+    for got, want in zip(hit.prompt_cache, mixed, strict=True):
+        gk = tuple(got.keys) if isinstance(got.keys, tuple | list) else (got.keys,)
+        wk = tuple(want.keys) if isinstance(want.keys, tuple | list) else (want.keys,)
+        assert [bits(a) for a in gk] == [bits(b[..., :40, :]) for b in wk]
+        assert got.offset == 40 and getattr(got, "bits", 0) == getattr(want, "bits", 0)
+
+
 class CountingBackend(MemoryBackend):
     """A real memory backend that counts round trips."""
 
