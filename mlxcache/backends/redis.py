@@ -1,0 +1,650 @@
+"""Redis backend: one record per value, a shared LRU index, failures read as misses.
+
+Key layout under ``prefix`` (default ``mlxcache:``)::
+
+    {prefix}v:{key}           the record: a safetensors blob, or a chunk manifest
+    {prefix}c:{gen}:{i}       chunk i of a large record; gen is random per write
+    {prefix}i:lru             ZSET  key -> logical access clock (least recent first)
+    {prefix}i:size            HASH  key -> stored bytes
+    {prefix}i:exp             ZSET  key -> expiry time in server ms (only with ttl)
+    {prefix}i:chunks          HASH  key -> "gen:n" for chunked records
+    {prefix}i:total           bytes of all indexed records
+    {prefix}i:clock           counter that orders accesses
+
+User keys live only under ``v:``, so ``keys()`` scans that namespace alone. Every write and its
+index update run in one MULTI/EXEC (small values) or one Lua script (chunked values), so every
+client sees one true total and evicts by one LRU order. See docs/backends.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from typing import Any
+from urllib.parse import SplitResult, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+from redis.retry import Retry
+
+from mlxcache.backends.base import (
+    BackendBase,
+    Counters,
+    RateLimitedLog,
+    check_key,
+    check_record,
+    log,
+)
+from mlxcache.errors import FormatError, UnsupportedVersionError
+from mlxcache.options import Options
+from mlxcache.record import Record
+from mlxcache.serializers import safetensors as st
+
+REDIS_MAX_STRING = 512 * 1024 * 1024
+DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
+DEFAULT_TIMEOUT = 5.0
+PENDING_CHUNK_MS = 600_000  # chunks of an unfinished write vanish on their own after this
+MANIFEST_MAGIC = b"mlxcache-chunks:1\n"  # as a u64 header length this is absurd: never a blob
+
+# Errors that mean "the server is not there": they start the reconnect backoff.
+_UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
+_FAILURES = (RedisError, OSError)
+
+# ------------------------------------------------------------------ Lua
+
+_LUA_COMMON = """
+local P = ARGV[1]
+local LRU, SIZE, EXP, CHUNKS, TOTAL, CLOCK = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+
+local function unlink_chunks(info)
+  local gen, n = string.match(info, '^(.*):(%d+)$')
+  if not gen then return end
+  for i = 0, tonumber(n) - 1 do redis.call('UNLINK', P .. 'c:' .. gen .. ':' .. i) end
+end
+
+-- forget a key everywhere; returns 1 if its value still existed
+local function drop(member)
+  local size = redis.call('HGET', SIZE, member)
+  if size then redis.call('DECRBY', TOTAL, size) end
+  redis.call('HDEL', SIZE, member)
+  redis.call('ZREM', LRU, member)
+  redis.call('ZREM', EXP, member)
+  local info = redis.call('HGET', CHUNKS, member)
+  if info then
+    unlink_chunks(info)
+    redis.call('HDEL', CHUNKS, member)
+  end
+  return redis.call('UNLINK', P .. 'v:' .. member)
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- drop index entries of keys whose TTL has passed (Redis expired the values themselves)
+local function sweep(now)
+  while true do
+    local gone = redis.call('ZRANGEBYSCORE', EXP, '-inf', now, 'LIMIT', 0, 512)
+    for _, m in ipairs(gone) do drop(m) end
+    if #gone < 512 then return end
+  end
+end
+
+local function total()
+  return tonumber(redis.call('GET', TOTAL) or '0')
+end
+"""
+
+# KEYS: 6 index keys, value key, [chunk keys]
+# ARGV: prefix, member, size, ttl_ms (0 = none), max_bytes (-1 = none), "gen:n" or "",
+#       manifest or "" (then the value was SET by the same MULTI, just before this script)
+_COMMIT = (
+    _LUA_COMMON
+    + """
+local member, size, ttl, maxb = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+local info, manifest = ARGV[6], ARGV[7]
+local now = now_ms()
+sweep(now)
+if manifest ~= '' then
+  for i = 8, #KEYS do
+    if redis.call('EXISTS', KEYS[i]) == 0 then return {-1, 0} end
+  end
+  for i = 8, #KEYS do
+    if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
+  end
+  if ttl > 0 then
+    redis.call('SET', KEYS[7], manifest, 'PX', ttl)
+  else
+    redis.call('SET', KEYS[7], manifest)
+  end
+end
+local old = redis.call('HGET', CHUNKS, member)
+if old and old ~= info then unlink_chunks(old) end
+local old_size = redis.call('HGET', SIZE, member)
+if old_size then redis.call('DECRBY', TOTAL, old_size) end
+redis.call('HSET', SIZE, member, size)
+redis.call('INCRBY', TOTAL, size)
+redis.call('ZADD', LRU, redis.call('INCR', CLOCK), member)
+if info ~= '' then redis.call('HSET', CHUNKS, member, info)
+else redis.call('HDEL', CHUNKS, member) end
+if ttl > 0 then redis.call('ZADD', EXP, now + ttl, member) else redis.call('ZREM', EXP, member) end
+local evicted = 0
+if maxb >= 0 then
+  while total() > maxb do
+    local lru = redis.call('ZRANGE', LRU, 0, 1)
+    local victim = lru[1]
+    if victim == member then victim = lru[2] end
+    if not victim then break end
+    evicted = evicted + drop(victim)
+  end
+end
+if total() < 0 then redis.call('SET', TOTAL, 0) end
+return {1, evicted}
+"""
+)
+
+# KEYS: 6 index keys, value key. ARGV: prefix, member. Refresh LRU, or clean a vanished key.
+_TOUCH = (
+    _LUA_COMMON
+    + """
+if redis.call('EXISTS', KEYS[7]) == 1 then
+  if redis.call('ZSCORE', LRU, ARGV[2]) then
+    redis.call('ZADD', LRU, redis.call('INCR', CLOCK), ARGV[2])
+  end
+  return 1
+end
+if redis.call('HEXISTS', SIZE, ARGV[2]) == 1 then drop(ARGV[2]) end
+return 0
+"""
+)
+
+# KEYS: 6 index keys. ARGV: prefix, member.
+_DROP = _LUA_COMMON + "return drop(ARGV[2])\n"
+
+# KEYS: 6 index keys. ARGV: prefix. -> {entries, bytes}
+_STATS = (
+    _LUA_COMMON
+    + """
+sweep(now_ms())
+return {redis.call('ZCARD', LRU), total()}
+"""
+)
+
+_SCRIPTS = {"commit": _COMMIT, "touch": _TOUCH, "drop": _DROP, "stats": _STATS}
+_SHAS = {name: hashlib.sha1(body.encode()).hexdigest() for name, body in _SCRIPTS.items()}
+
+
+def glob_escape(text: str) -> str:
+    """Escape Redis MATCH wildcards so ``text`` matches only itself."""
+    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+
+
+class RedisBackend(BackendBase):
+    """Records in Redis under a key prefix, with a byte budget and LRU shared by all clients.
+
+    ``url`` is any redis-py URL (``redis://``, ``rediss://``, ``unix://``). ``ttl`` (seconds)
+    applies to every value written; ``max_bytes`` bounds the stored bytes of all clients using
+    the same prefix (None: unbounded, leave it to Redis' ``maxmemory``). Values larger than
+    ``chunk_size`` are split and still committed atomically. When Redis is unreachable every
+    call degrades (miss, no-op, empty) and the server is skipped for a backoff that grows from
+    ``backoff`` to ``max_backoff`` seconds, then tried again.
+    """
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "mlxcache:",
+        ttl: float | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        max_bytes: int | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        backoff: float = 0.1,
+        max_backoff: float = 5.0,
+        **redis_kwargs: Any,
+    ) -> None:
+        if not isinstance(url, str):
+            raise TypeError(f"url must be a str, got {type(url).__name__}")
+        if not isinstance(prefix, str) or not prefix:
+            raise ValueError("prefix must be a non-empty str (clear() deletes what it covers)")
+        if ttl is not None and not ttl > 0:
+            raise ValueError(f"ttl must be > 0 seconds or None, got {ttl!r}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
+        if not 0 < chunk_size <= REDIS_MAX_STRING:
+            raise ValueError(f"chunk_size must be in 1..{REDIS_MAX_STRING} bytes, got {chunk_size}")
+        if not 0 < backoff <= max_backoff:
+            raise ValueError(f"need 0 < backoff <= max_backoff, got {backoff}, {max_backoff}")
+        self.prefix = prefix
+        self.ttl = ttl
+        self.timeout = timeout
+        self.max_bytes = max_bytes
+        self.chunk_size = chunk_size
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
+        self.pool = redis.ConnectionPool.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 1),  # one quick retry for a stale pooled connection
+            **redis_kwargs,
+        )
+        self.client = redis.Redis(connection_pool=self.pool)
+        self.url = _public_url(url)
+        self._index = [
+            prefix + "i:" + n for n in ("lru", "size", "exp", "chunks", "total", "clock")
+        ]
+        self._counters = Counters()
+        self._log = RateLimitedLog()
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._delay = backoff
+
+    # ------------------------------------------------------------ keys and state
+
+    def _vkey(self, key: str) -> str:
+        return self.prefix + "v:" + key
+
+    def _ckey(self, gen: str, i: int) -> str:
+        return f"{self.prefix}c:{gen}:{i}"
+
+    def _skipping(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def _ok(self) -> None:
+        if self._delay != self.backoff:
+            with self._lock:
+                self._delay = self.backoff
+
+    def _failed(self, op: str, exc: BaseException, n: int = 1) -> None:
+        """Count and log a failure; an unreachable server is skipped for a growing backoff."""
+        self._counters.add("errors", n)
+        if isinstance(exc, _UNREACHABLE):
+            with self._lock:
+                delay = self._delay
+                self._down_until = time.monotonic() + delay
+                self._delay = min(delay * 2, self.max_backoff)
+            self._log.warning(
+                "down", "redis cache %s unreachable during %s (%s); retrying in %.1fs",
+                self.url, op, exc, delay,
+            )  # fmt: skip
+        else:
+            self._log.warning(op, "redis cache %s: %s failed: %s", self.url, op, exc)
+
+    def _eval(self, target: Any, name: str, keys: list[str], args: list[Any]) -> Any:
+        return target.evalsha(_SHAS[name], len(keys), *keys, self.prefix, *args)
+
+    def _load_scripts(self) -> None:
+        for body in _SCRIPTS.values():
+            self.client.script_load(body)
+
+    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        """Run a script by SHA, loading it once if the server forgot it (restart, flush)."""
+        try:
+            return self._eval(self.client, name, keys, args)
+        except NoScriptError:
+            self._load_scripts()
+            return self._eval(self.client, name, keys, args)
+
+    # ------------------------------------------------------------ writing
+
+    def put(self, key: str, record: Record) -> None:
+        check_key(key)
+        check_record(record)
+        if self.max_bytes == 0:
+            return
+        if self._skipping():
+            self._counters.add("errors")
+            return
+        blob = st.to_bytes(record)  # raises on a bad dtype before anything is sent
+        if self.max_bytes is not None and len(blob) > self.max_bytes:
+            log.warning(
+                "redis cache: refusing %r (%d bytes) larger than max_bytes=%d",
+                key, len(blob), self.max_bytes,
+            )  # fmt: skip
+            return
+        try:
+            if len(blob) <= self.chunk_size:
+                evicted = self._put_whole(key, blob)
+            else:
+                evicted = self._put_chunked(key, blob)
+        except _FAILURES as exc:
+            self._failed("put", exc)
+            return
+        self._ok()
+        if evicted:
+            self._counters.add("evictions", evicted)
+
+    def _commit_args(self, key: str, size: int, info: str, manifest: bytes) -> list[Any]:
+        max_bytes = -1 if self.max_bytes is None else self.max_bytes
+        return [key, size, self._ttl_ms, max_bytes, info, manifest]
+
+    def _put_whole(self, key: str, blob: bytes) -> int:
+        keys = [*self._index, self._vkey(key)]
+        args = self._commit_args(key, len(blob), "", b"")
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(keys[-1], blob, px=self._ttl_ms or None)
+        self._eval(pipe, "commit", keys, args)
+        _, result = pipe.execute(raise_on_error=False)
+        if isinstance(result, NoScriptError):  # the value is set; index it now
+            self._load_scripts()
+            result = self._eval(self.client, "commit", keys, args)
+        if isinstance(result, Exception):
+            raise result
+        return int(result[1])
+
+    def _put_chunked(self, key: str, blob: bytes) -> int:
+        view = memoryview(blob)
+        size, step = len(blob), self.chunk_size
+        gen, n = uuid.uuid4().hex, -(-len(blob) // step)
+        chunk_keys = [self._ckey(gen, i) for i in range(n)]
+        pipe = self.client.pipeline(transaction=False)
+        for i, ck in enumerate(chunk_keys):
+            pipe.set(ck, view[i * step : (i + 1) * step], px=PENDING_CHUNK_MS)
+        pipe.execute()
+        manifest = MANIFEST_MAGIC + json.dumps({"gen": gen, "n": n, "size": size}).encode()
+        keys = [*self._index, self._vkey(key), *chunk_keys]
+        status, evicted = self._script(
+            "commit", keys, self._commit_args(key, size, f"{gen}:{n}", manifest)
+        )
+        if status != 1:
+            self.client.unlink(*chunk_keys)
+            raise RedisError(f"chunks of {key!r} vanished before commit (written too slowly?)")
+        return int(evicted)
+
+    # ------------------------------------------------------------ reading
+
+    def get(self, key: str) -> Record | None:
+        check_key(key)
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Iterable[str]) -> list[Record | None]:
+        """Fetch many records in one pipelined round trip (plus one for chunked values)."""
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        n = len(keys)
+        if self._skipping():
+            self._counters.add("errors", n)
+            self._counters.add("misses", n)
+            return [None] * n
+        try:
+            blobs = self._fetch(keys)
+        except _FAILURES as exc:
+            self._failed("get", exc, n)
+            self._counters.add("misses", n)
+            return [None] * n
+        self._ok()
+        out = [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
+        hits = sum(r is not None for r in out)
+        self._counters.add("hits", hits)
+        self._counters.add("misses", n - hits)
+        return out
+
+    def _fetch(self, keys: list[str]) -> list[bytes | None]:
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            vkey = self._vkey(k)
+            pipe.get(vkey)
+            self._eval(pipe, "touch", [*self._index, vkey], [k])
+        replies = pipe.execute(raise_on_error=False)
+        values = replies[0::2]
+        for r in values:
+            if isinstance(r, Exception):
+                raise r
+        if any(isinstance(r, NoScriptError) for r in replies[1::2]):
+            self._load_scripts()  # only the LRU refresh was lost; next time it works
+        manifests = [i for i, v in enumerate(values) if v is not None and _is_manifest(v)]
+        if manifests:
+            parsed = [_parse_manifest(values[i]) for i in manifests]
+            pipe = self.client.pipeline(transaction=False)
+            for m in parsed:
+                if m:
+                    pipe.mget(self._chunk_keys(m))
+                else:
+                    pipe.echo(b"")  # keeps replies aligned; _decode reports the bad manifest
+            for i, m, chunks in zip(manifests, parsed, pipe.execute(), strict=True):
+                values[i] = self._join(m, chunks) if m else values[i]
+                if values[i] is None:  # replaced under us: read it again, once
+                    values[i] = self._read_again(keys[i])
+        return values
+
+    def _chunk_keys(self, m: dict[str, Any]) -> list[str]:
+        return [self._ckey(m["gen"], i) for i in range(m["n"])]
+
+    def _join(self, m: dict[str, Any], chunks: list[bytes | None]) -> bytes | None:
+        if any(c is None for c in chunks):
+            return None
+        blob = b"".join(chunks)
+        return blob if len(blob) == m["size"] else None
+
+    def _read_again(self, key: str) -> bytes | None:
+        value = self.client.get(self._vkey(key))
+        if value is None or not _is_manifest(value):
+            return value
+        m = _parse_manifest(value)
+        if m is None:
+            return value  # let _decode report it
+        return self._join(m, self.client.mget(self._chunk_keys(m)))
+
+    def _decode(self, key: str, blob: bytes | None) -> Record | None:
+        if blob is None:
+            return None
+        try:
+            return st.from_bytes(blob)
+        except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
+            self._log.warning("version", "redis cache: skipping %r: %s", key, exc)
+            return None
+        except FormatError as exc:
+            self._counters.add("errors")
+            log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
+            try:
+                self._script("drop", self._index, [key])
+            except _FAILURES as err:
+                self._failed("delete", err)
+            return None
+
+    # ------------------------------------------------------------ the rest of the protocol
+
+    def delete(self, key: str) -> bool:
+        check_key(key)
+        if self._skipping():
+            self._counters.add("errors")
+            return False
+        try:
+            existed = self._script("drop", self._index, [key])
+        except _FAILURES as exc:
+            self._failed("delete", exc)
+            return False
+        self._ok()
+        return bool(existed)
+
+    def __contains__(self, key: object) -> bool:
+        return self.contains_many([check_key(key)])[0]
+
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        """EXISTS for many keys in one pipelined round trip."""
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        if self._skipping():
+            self._counters.add("errors")
+            return [False] * len(keys)
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(self._vkey(k))
+            found = pipe.execute()
+        except _FAILURES as exc:
+            self._failed("contains", exc)
+            return [False] * len(keys)
+        self._ok()
+        return [bool(x) for x in found]
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        """User keys starting with ``prefix`` (SCAN, never KEYS; internal keys never listed)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        return self._scan(prefix)
+
+    def _scan(self, prefix: str) -> Iterator[str]:
+        if self._skipping():
+            self._counters.add("errors")
+            return
+        start = len(self.prefix.encode()) + 2
+        pattern = glob_escape(self._vkey(prefix)) + "*"
+        seen: set[bytes] = set()
+        try:
+            for raw in self.client.scan_iter(match=pattern, count=1000):
+                if raw not in seen:
+                    seen.add(raw)
+                    yield raw[start:].decode("utf-8", "replace")
+        except _FAILURES as exc:
+            self._failed("keys", exc)
+            return
+        self._ok()
+
+    def _index_stats(self) -> tuple[int, int] | None:
+        if self._skipping():
+            self._counters.add("errors")
+            return None
+        try:
+            entries, nbytes = self._script("stats", self._index, [])
+        except _FAILURES as exc:
+            self._failed("stats", exc)
+            return None
+        self._ok()
+        return int(entries), int(nbytes)
+
+    def __len__(self) -> int:
+        found = self._index_stats()
+        return 0 if found is None else found[0]
+
+    def clear(self) -> None:
+        """Remove every key under our prefix (SCAN + UNLINK); other keys are untouched."""
+        if self._skipping():
+            self._counters.add("errors")
+            return
+        pattern = glob_escape(self.prefix) + "[vci]:*"
+        try:
+            batch: list[bytes] = []
+            for raw in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(raw)
+                if len(batch) >= 1000:
+                    self.client.unlink(*batch)
+                    batch.clear()
+            if batch:
+                self.client.unlink(*batch)
+        except _FAILURES as exc:
+            self._failed("clear", exc)
+            return
+        self._ok()
+
+    def stats(self) -> dict[str, Any]:
+        """Entries and bytes from the shared index; hits/misses/evictions/errors of this process."""
+        found = self._index_stats()
+        entries, nbytes = found if found is not None else (0, 0)
+        return {
+            "backend": "redis",
+            "url": self.url,
+            "prefix": self.prefix,
+            "entries": entries,
+            "bytes": nbytes,
+            "max_bytes": self.max_bytes,
+            "ttl": self.ttl,
+            "chunk_size": self.chunk_size,
+            "available": found is not None,
+            **self._counters.snapshot(),
+        }
+
+    def close(self) -> None:
+        """Close pooled connections (a later call would open new ones)."""
+        self.pool.disconnect()
+
+    def __repr__(self) -> str:
+        return f"RedisBackend({self.url!r}, prefix={self.prefix!r})"
+
+
+def _is_manifest(value: bytes) -> bool:
+    return value[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
+
+
+def _parse_manifest(value: bytes) -> dict[str, Any] | None:
+    try:
+        m = json.loads(value[len(MANIFEST_MAGIC) :])
+        if isinstance(m["gen"], str) and int(m["n"]) >= 1 and int(m["size"]) >= 0:
+            return {"gen": m["gen"], "n": int(m["n"]), "size": int(m["size"])}
+    except (ValueError, KeyError, TypeError):
+        pass
+    return None
+
+
+def _public_url(url: str) -> str:
+    """The URL without its password (user name, host, port, path and db kept)."""
+    parts = urlsplit(url)
+    netloc = parts.hostname or ""
+    if ":" in netloc:
+        netloc = f"[{netloc}]"
+    if parts.port:
+        netloc += f":{parts.port}"
+    if parts.username:
+        netloc = f"{parts.username}@{netloc}"
+    return f"{parts.scheme}://{netloc}{parts.path}"
+
+
+_REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_reqs",
+                  "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")  # fmt: skip
+
+
+def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
+    """``redis://[user:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=0``.
+
+    Options: prefix, ttl (s), timeout (s), max_bytes, chunk_size, backoff (s), max_backoff (s),
+    and for redis-py: db, username, password, max_connections, ssl_cert_reqs, ssl_ca_certs,
+    ssl_certfile, ssl_keyfile.
+    """
+    scheme = url.scheme.lower()
+    try:
+        url.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"{scheme}:// URI has a bad port: {exc}") from None
+    if scheme == "unix":
+        if url.hostname or not url.path.startswith("/"):
+            raise ValueError("unix:// needs an absolute socket path, like unix:///run/redis.sock")
+    elif url.path not in ("", "/") and not re.fullmatch(r"/\d+", url.path):
+        raise ValueError(f"{scheme}:// path must be a database number like /0, got {url.path!r}")
+    prefix = opts.str("prefix", "mlxcache:")
+    ttl = opts.float("ttl", None, minimum=0.001)
+    timeout = opts.float("timeout", DEFAULT_TIMEOUT, minimum=0.001)
+    max_bytes = opts.size("max_bytes", None)
+    chunk_size = opts.size("chunk_size", DEFAULT_CHUNK_SIZE)
+    backoff = opts.float("backoff", 0.1, minimum=0.001)
+    max_backoff = opts.float("max_backoff", 5.0, minimum=0.001)
+    extra: dict[str, Any] = {}
+    for name in _REDIS_OPTIONS:
+        value = opts.int(name, None) if name in ("db", "max_connections") else opts.str(name, None)
+        if value is not None:
+            extra[name] = value
+    opts.done()
+    base = f"{scheme}://{url.netloc}{url.path}"  # urlunsplit drops "//" of unix:///x
+    return RedisBackend(
+        base,
+        prefix=prefix,
+        ttl=ttl,
+        timeout=timeout,
+        max_bytes=max_bytes,
+        chunk_size=chunk_size,
+        backoff=backoff,
+        max_backoff=max_backoff,
+        **extra,
+    )

@@ -1,0 +1,626 @@
+"""redis:// against a real redis-server: atomic records, shared LRU budget, TTL, failures."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+import redis
+from redis_server import RedisServer, free_port
+
+import mlxcache
+from mlxcache import Record
+from mlxcache.backends.redis import RedisBackend
+from mlxcache.serializers import safetensors as st
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+DTYPES = [
+    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
+    mx.int64, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64,
+]  # fmt: skip
+
+
+def bits(a: mx.array) -> bytes:
+    return bytes(memoryview(mx.contiguous(a)))
+
+
+def assert_same(a: Record, b: Record) -> None:
+    assert set(a.arrays) == set(b.arrays)
+    for name, x in a.arrays.items():
+        y = b.arrays[name]
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+        assert bits(x) == bits(y), name
+    assert dict(a.meta) == dict(b.meta)
+
+
+def sample_record() -> Record:
+    mx.random.seed(3)
+    arrays = {f"t{i}": (mx.random.normal((3, 5)) * 100).astype(d) for i, d in enumerate(DTYPES)}
+    arrays["kv_bf16"] = mx.random.normal((1, 2, 33, 8)).astype(mx.bfloat16)[:, :, 1:30, :]
+    arrays["nan_payload"] = mx.array([0x7FC1, 0xFFFF, 0x0001], dtype=mx.uint16).view(mx.bfloat16)
+    arrays["empty"] = mx.zeros((0, 4), dtype=mx.bfloat16)
+    return Record(arrays, {"tokens": [1, 2, 3], "model": "tiny", "raw": b"\x00\xff"})
+
+
+def blob_record(nbytes: int, seed: int = 0) -> Record:
+    """A record whose stored size is nbytes plus a small header."""
+    data = mx.random.randint(0, 256, (nbytes,), dtype=mx.uint8, key=mx.random.key(seed))
+    mx.eval(data)  # MLX evaluates a graph only on the thread that built it
+    return Record({"x": data}, {"seed": seed})
+
+
+def stored_size(record: Record) -> int:
+    return len(st.to_bytes(record))
+
+
+def raw(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url)
+
+
+def run_py(code: str, *args: str, timeout: float = 60) -> str:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True, text=True, env=env, timeout=timeout,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_round_trip_is_bit_exact(redis_url):
+    rec = sample_record()
+    with mlxcache.open_backend(redis_url) as b:
+        assert isinstance(b, mlxcache.CacheBackend)
+        b.put("prefix/abc", rec)
+        got = b.get("prefix/abc")
+        assert_same(rec, got)
+        assert b.get("missing") is None
+        s = b.stats()
+        assert (s["hits"], s["misses"], s["entries"]) == (1, 1, 1)
+        assert s["bytes"] == stored_size(rec)
+        for field in ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "errors"):
+            assert field in s
+
+
+def test_get_does_not_alias_between_calls(redis_url):
+    b = mlxcache.open_backend(redis_url)
+    b.put("k", Record({"x": mx.ones((4,))}))
+    first = b.get("k")
+    first.arrays["x"][0] = 42.0
+    assert b.get("k").arrays["x"][0].item() == 1.0
+
+
+def test_key_layout_keeps_user_and_internal_keys_apart(redis_url):
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    r = raw(redis_url)
+    r.set("unrelated", b"keep me")
+    names = ["a*b", "a[1]", "a?c", "abc", "b\\x", "ünï:cödé", "chunked"]
+    for name in names:
+        rec = blob_record(5000 if name == "chunked" else 10)
+        b.put(name, rec)
+    assert sorted(b.keys()) == sorted(names)
+    assert sorted(b.keys("a*")) == ["a*b"]  # wildcards in the prefix are literal
+    assert sorted(b.keys("a[")) == ["a[1]"]
+    assert sorted(b.keys("a")) == ["a*b", "a?c", "a[1]", "abc"]
+    assert list(b.keys("b\\")) == ["b\\x"]
+    assert len(b) == len(names)
+    layout = {k.decode() for k in r.scan_iter(match="mlxcache:*")}
+    assert {"mlxcache:i:lru", "mlxcache:i:size", "mlxcache:i:total"} <= layout
+    assert any(k.startswith("mlxcache:c:") for k in layout)
+    assert "mlxcache:v:a*b" in layout
+    other = mlxcache.open_backend(redis_url, prefix="other:")
+    other.put("x", blob_record(10))
+    assert list(other.keys()) == ["x"] and "x" not in b
+    b.clear()
+    assert list(b.keys()) == [] and len(b) == 0 and b.stats()["bytes"] == 0
+    assert [k for k in r.scan_iter(match="mlxcache:*")] == []
+    assert r.get("unrelated") == b"keep me" and other.get("x") is not None
+
+
+def test_delete_and_contains(redis_url):
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    b.put("small", blob_record(10))
+    b.put("big", blob_record(5000))
+    assert b.contains_many(["small", "big", "nope"]) == [True, True, False]
+    assert "big" in b and "nope" not in b
+    assert b.delete("big") and not b.delete("big")
+    assert b.delete("small")
+    assert len(b) == 0 and b.stats()["bytes"] == 0
+    assert list(raw(redis_url).scan_iter(match="mlxcache:c:*")) == []
+
+
+def test_overwrite_counts_once_and_removes_old_chunks(redis_url):
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    r = raw(redis_url)
+    big, small = blob_record(10_000, 1), blob_record(100, 2)
+    b.put("k", big)
+    assert len(list(r.scan_iter(match="mlxcache:c:*"))) == 10
+    b.put("k", big)  # a new generation replaces the old one
+    assert len(list(r.scan_iter(match="mlxcache:c:*"))) == 10
+    assert b.stats()["bytes"] == stored_size(big) and len(b) == 1
+    b.put("k", small)
+    assert list(r.scan_iter(match="mlxcache:c:*")) == []
+    assert b.stats()["bytes"] == stored_size(small)
+    assert_same(small, b.get("k"))
+
+
+# ---------------------------------------------------------------- chunked values
+
+
+def test_chunked_round_trip(redis_url):
+    b = mlxcache.open_backend(redis_url, chunk_size="1KiB")
+    rec = Record({"kv": mx.random.normal((5000,)).astype(mx.bfloat16)}, {"n": 5000})
+    b.put("big", rec)
+    value = raw(redis_url).get("mlxcache:v:big")
+    assert value.startswith(b"mlxcache-chunks:1\n") and len(value) < 200
+    assert_same(rec, b.get("big"))
+    assert_same(rec, b.get_many(["big"])[0])
+
+
+def test_concurrent_reader_never_sees_a_mix(redis_url):
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    a_rec, b_rec = blob_record(10_000, 1), blob_record(10_000, 2)
+    versions = {bits(a_rec.arrays["x"]), bits(b_rec.arrays["x"])}
+    b.put("k", a_rec)
+    stop = threading.Event()
+    seen: list[bytes | None] = []
+    failures: list[BaseException] = []
+    writes = [0]
+
+    def guarded(fn):
+        def run():
+            try:
+                fn()
+            except BaseException as exc:  # a thread's exception would otherwise be lost
+                failures.append(exc)
+
+        return threading.Thread(target=run)
+
+    def writer():
+        while not stop.is_set():
+            b.put("k", (a_rec, b_rec)[writes[0] % 2])
+            writes[0] += 1
+
+    def reader():
+        other = mlxcache.open_backend(redis_url, chunk_size=1024)
+        for _ in range(150):
+            got = other.get("k")
+            seen.append(None if got is None else bits(got.arrays["x"]))
+
+    threads = [guarded(writer)] + [guarded(reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads[1:]:
+        t.join()
+    stop.set()
+    threads[0].join()
+    assert not failures, failures
+    found = [s for s in seen if s is not None]
+    assert writes[0] > 20 and len(seen) == 300
+    assert len(found) > len(seen) // 2
+    assert set(found) <= versions  # every hit is one whole version, never a mix
+    assert b.stats()["errors"] == 0
+    assert len(list(raw(redis_url).scan_iter(match="mlxcache:c:*"))) == 10
+
+
+def test_write_rejected_when_chunks_vanish(redis_url, caplog, monkeypatch):
+    b = RedisBackend(redis_url, chunk_size=1024)
+    real = b._script
+
+    def lose_chunks(name, keys, args):
+        if name == "commit":
+            b.client.unlink(keys[-1])
+        return real(name, keys, args)
+
+    monkeypatch.setattr(b, "_script", lose_chunks)
+    b.put("k", blob_record(3000))
+    assert "k" not in b and b.stats()["errors"] == 1
+    assert list(raw(redis_url).scan_iter(match="mlxcache:c:*")) == []
+
+
+# ---------------------------------------------------------------- batch
+
+
+def test_batches_are_one_round_trip(redis_url, monkeypatch):
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    for i in range(5):
+        b.put(f"k{i}", blob_record(100, i))
+    b.put("big", blob_record(5000, 9))
+    calls = {"pipeline": 0, "direct": 0}
+    pipe_execute = redis.client.Pipeline.execute
+    direct = redis.Redis.execute_command
+
+    def counted_execute(self, *a, **kw):
+        calls["pipeline"] += 1
+        return pipe_execute(self, *a, **kw)
+
+    def counted_direct(self, *a, **kw):
+        calls["direct"] += 1
+        return direct(self, *a, **kw)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", counted_execute)
+    monkeypatch.setattr(redis.Redis, "execute_command", counted_direct)
+    keys = [f"k{i}" for i in range(5)] + ["nope"]
+    got = b.get_many(keys)
+    assert calls == {"pipeline": 1, "direct": 0}
+    assert [g is not None for g in got] == [True] * 5 + [False]
+    assert_same(got[3], blob_record(100, 3))
+    assert b.contains_many(keys + ["big"]) == [True] * 5 + [False, True]
+    assert calls == {"pipeline": 2, "direct": 0}
+    got = b.get_many(["k0", "big"])  # a chunked value costs one more round trip
+    assert calls == {"pipeline": 4, "direct": 0}
+    assert_same(got[1], blob_record(5000, 9))
+    assert b.get_many([]) == [] and b.contains_many([]) == []
+
+
+def test_get_refreshes_lru_order(redis_url):
+    b = mlxcache.open_backend(redis_url)
+    for k in ("a", "b", "c"):
+        b.put(k, blob_record(10))
+    b.get("a")
+    order = [m.decode() for m in raw(redis_url).zrange("mlxcache:i:lru", 0, -1)]
+    assert order == ["b", "c", "a"]
+
+
+# ---------------------------------------------------------------- TTL
+
+
+def test_ttl_applies_to_values_and_chunks(redis_url):
+    b = mlxcache.open_backend(redis_url + "?ttl=1&chunk_size=1KiB")
+    r = raw(redis_url)
+    b.put("small", blob_record(10))
+    b.put("big", blob_record(5000))
+    for key in r.scan_iter(match="mlxcache:[vc]:*"):
+        assert 0 < r.pttl(key) <= 1000, key
+    assert b.stats()["entries"] == 2
+    time.sleep(1.5)
+    assert b.get("small") is None and b.get("big") is None
+    assert b.stats()["entries"] == 0 and b.stats()["bytes"] == 0  # expired members swept
+    assert list(r.scan_iter(match="mlxcache:[vc]:*")) == []
+
+
+def test_expired_entries_do_not_count_against_the_budget(redis_url):
+    one = stored_size(blob_record(1000))
+    short = mlxcache.open_backend(redis_url, ttl=0.3, max_bytes=2 * one)
+    keep = mlxcache.open_backend(redis_url, max_bytes=2 * one)
+    short.put("old1", blob_record(1000))
+    keep.put("live", blob_record(1000))
+    time.sleep(0.5)
+    keep.put("new", blob_record(1000))  # old1 has expired: nothing live is evicted
+    assert "live" in keep and "new" in keep
+    assert keep.stats()["evictions"] == 0 and keep.stats()["bytes"] == 2 * one
+
+
+# ---------------------------------------------------------------- budget
+
+
+def test_budget_counts_each_key_once_and_evicts_lru(redis_url):
+    one = stored_size(blob_record(1000))
+    b = mlxcache.open_backend(redis_url, max_bytes=2 * one + 10)
+    b.put("a", blob_record(1000))
+    b.put("a", blob_record(1000))
+    assert b.stats()["bytes"] == one
+    b.put("b", blob_record(1000))
+    assert b.get("a") is not None  # a becomes most recent
+    b.put("c", blob_record(1000))  # evicts b
+    assert "b" not in b and "a" in b and "c" in b
+    s = b.stats()
+    assert s["evictions"] == 1 and s["bytes"] == 2 * one and s["entries"] == 2
+
+
+def test_oversize_record_is_refused_and_flushes_nothing(redis_url, caplog):
+    b = mlxcache.open_backend(redis_url, max_bytes="4KiB")
+    b.put("small", blob_record(100))
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        b.put("huge", blob_record(5000))
+    assert "huge" not in b and "small" in b
+    assert "larger than max_bytes" in caplog.text
+
+
+def test_zero_budget_stores_nothing(redis_url):
+    b = mlxcache.open_backend(redis_url + "?max_bytes=0")
+    b.put("a", blob_record(1))
+    assert len(b) == 0 and b.get("a") is None
+    assert list(raw(redis_url).scan_iter()) == []
+
+
+def test_eviction_removes_chunks_of_chunked_victims(redis_url):
+    one = stored_size(blob_record(3000))
+    b = mlxcache.open_backend(redis_url, chunk_size=1024, max_bytes=2 * one)
+    for k in ("a", "b", "c"):
+        b.put(k, blob_record(3000))
+    assert "a" not in b and len(b) == 2
+    assert len(list(raw(redis_url).scan_iter(match="mlxcache:c:*"))) == 2 * -(-one // 1024)
+
+
+# ---------------------------------------------------------------- bad data
+
+
+def test_corrupt_value_is_a_miss_counted_logged_and_deleted(redis_url, caplog):
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    r = raw(redis_url)
+    b.put("k", blob_record(100))
+    blob = bytearray(r.get("mlxcache:v:k"))
+    blob[-1] ^= 1
+    r.set("mlxcache:v:k", bytes(blob))
+    r.set("mlxcache:v:garbage", b"not a record at all")
+    r.set("mlxcache:v:manifest", b"mlxcache-chunks:1\n{broken")
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        assert b.get_many(["k", "garbage", "manifest"]) == [None, None, None]
+    assert b.stats()["errors"] == 3 and b.stats()["misses"] == 3
+    assert "checksum" in caplog.text and "unreadable" in caplog.text
+    assert r.exists("mlxcache:v:k", "mlxcache:v:garbage", "mlxcache:v:manifest") == 0
+    assert len(b) == 0 and b.stats()["bytes"] == 0
+
+
+def test_newer_format_version_is_a_miss_and_kept(redis_url, caplog):
+    b = mlxcache.open_backend(redis_url)
+    r = raw(redis_url)
+    blob = st.to_bytes(blob_record(10))
+    r.set("mlxcache:v:future", blob.replace(b'"format_version":"1"', b'"format_version":"9"'))
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        assert b.get("future") is None
+    assert "version 9" in caplog.text and r.exists("mlxcache:v:future")
+
+
+def test_index_drift_is_cleaned_lazily(redis_url):
+    b = mlxcache.open_backend(redis_url)
+    b.put("k", blob_record(10))
+    raw(redis_url).delete("mlxcache:v:k")  # as if Redis' maxmemory policy had evicted it
+    assert len(b) == 1
+    assert b.get("k") is None
+    assert len(b) == 0 and b.stats()["bytes"] == 0
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def test_wrong_argument_types_raise_before_sending(redis_url):
+    b = mlxcache.open_backend(redis_url)
+    with pytest.raises(TypeError):
+        b.get(1)
+    with pytest.raises(ValueError):
+        b.get("")
+    with pytest.raises(TypeError):
+        b.put(b"k", blob_record(1))
+    with pytest.raises(TypeError):
+        b.put("k", {"x": mx.ones(2)})
+    with pytest.raises(TypeError):
+        b.get_many(["a", None])
+    with pytest.raises(TypeError):
+        b.contains_many(["a", 3])
+    with pytest.raises(TypeError):
+        list(b.keys(5))
+    with pytest.raises(TypeError):
+        1 in b  # noqa: B015
+    assert list(raw(redis_url).scan_iter()) == []
+    assert b.stats()["errors"] == 0
+
+
+@pytest.mark.parametrize(
+    "uri,match",
+    [
+        ("redis://127.0.0.1:1/0?ttl=abc", "ttl"),
+        ("redis://127.0.0.1:1/0?ttl=0", "ttl"),
+        ("redis://127.0.0.1:1/0?max_bytes=lots", "max_bytes"),
+        ("redis://127.0.0.1:1/0?chunk_size=1GiB", "chunk_size"),
+        ("redis://127.0.0.1:1/0?timeout=-1", "timeout"),
+        ("redis://127.0.0.1:1/0?prefixx=a", "prefixx.*valid options.*prefix"),
+        ("redis://127.0.0.1:1/0?prefix=", "prefix"),
+        ("redis://127.0.0.1:1/zero", "database number"),
+        ("redis://127.0.0.1:notaport/0", "port"),
+        ("unix://", "socket path"),
+        ("unix://host/x.sock", "socket path"),
+    ],
+)
+def test_bad_uris_and_options_name_the_problem(uri, match):
+    with pytest.raises(ValueError, match=match):
+        mlxcache.open_backend(uri)
+
+
+def test_rediss_uses_ssl_without_connecting():
+    port = free_port()
+    b = mlxcache.open_backend(f"rediss://alice:s3cret@127.0.0.1:{port}/2?ssl_cert_reqs=none")
+    assert b.pool.connection_class is redis.SSLConnection
+    kw = b.pool.connection_kwargs
+    assert (kw["host"], kw["port"], kw["db"], kw["username"]) == ("127.0.0.1", port, 2, "alice")
+    assert kw["password"] == "s3cret" and kw["socket_timeout"] == 5.0
+    assert b.url == f"rediss://alice@127.0.0.1:{port}/2"
+
+
+def test_timeout_option_reaches_the_pool():
+    b = mlxcache.open_backend(f"redis://127.0.0.1:{free_port()}/0?timeout=0.25")
+    kw = b.pool.connection_kwargs
+    assert kw["socket_timeout"] == kw["socket_connect_timeout"] == 0.25
+
+
+def test_unix_socket(redis_server, redis_url):
+    rec = sample_record()
+    tcp = mlxcache.open_backend(redis_url)
+    unix = mlxcache.open_backend(redis_server.unix_url)
+    assert unix.pool.connection_class is redis.UnixDomainSocketConnection
+    unix.put("u", rec)
+    assert_same(rec, tcp.get("u"))
+    assert_same(rec, unix.get("u"))
+    assert unix.stats()["url"] == f"unix://{redis_server.socket}"
+    other_db = mlxcache.open_backend(redis_server.unix_url.replace("db=0", "db=3"))
+    assert other_db.get("u") is None
+
+
+# ---------------------------------------------------------------- failures
+
+
+def test_unreachable_server_at_construction():
+    port = free_port()
+    b = mlxcache.open_backend(f"redis://user:pw@127.0.0.1:{port}/0?timeout=0.5")
+    t0 = time.monotonic()
+    b.put("k", blob_record(10))
+    assert b.get("k") is None
+    assert "k" not in b and list(b.keys()) == [] and len(b) == 0
+    assert b.get_many(["a", "b"]) == [None, None] and b.contains_many(["a"]) == [False]
+    assert b.delete("k") is False
+    b.clear()
+    s = b.stats()
+    assert time.monotonic() - t0 < 2
+    assert s["errors"] >= 1 and s["available"] is False and s["entries"] == 0
+    assert "pw" not in s["url"] and s["url"] == f"redis://user@127.0.0.1:{port}/0"
+    b.close()
+
+
+def test_recovers_by_itself_when_redis_returns(caplog, monkeypatch):
+    connects = [0]
+    connect = redis.connection.AbstractConnection.connect
+
+    def counted_connect(self, *a, **kw):
+        connects[0] += 1
+        return connect(self, *a, **kw)
+
+    monkeypatch.setattr(redis.connection.AbstractConnection, "connect", counted_connect)
+    with RedisServer() as server:
+        b = mlxcache.open_backend(server.url + "?timeout=1&backoff=0.2&max_backoff=0.4")
+        b.put("k", blob_record(10))
+        assert b.get("k") is not None
+        server.stop()
+        connects[0] = 0
+        with caplog.at_level(logging.WARNING, logger="mlxcache"):
+            for _ in range(20):
+                b.put("k2", blob_record(10))
+                assert b.get("k") is None
+                assert "k" not in b and len(b) == 0 and list(b.keys()) == []
+                assert b.get_many(["k", "k2"]) == [None, None]
+        assert connects[0] <= 4  # one failed call (plus its retry), then skipped during backoff
+        assert "unreachable" in caplog.text
+        assert b.stats()["errors"] > 0
+        server.start()  # same port; the data (and the server's script cache) are gone
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            b.put("k", blob_record(10, 7))
+            if b.get("k") is not None:
+                break
+            time.sleep(0.05)
+        assert_same(b.get("k"), blob_record(10, 7))
+        assert len(b) == 1 and b.stats()["available"] is True
+        b.close()
+
+
+def test_backoff_grows_and_resets(monkeypatch):
+    port = free_port()
+    b = RedisBackend(f"redis://127.0.0.1:{port}/0", timeout=0.5, backoff=0.1, max_backoff=0.4)
+    delays = []
+    for _ in range(5):
+        b._down_until = 0.0  # let the call through to hit the dead port
+        b.get("k")
+        delays.append(b._delay)
+    assert delays == [0.2, 0.4, 0.4, 0.4, 0.4]
+    b._ok()
+    assert b._delay == 0.1
+
+
+# ---------------------------------------------------------------- other processes
+
+
+def test_write_in_one_process_read_in_another(redis_url):
+    rec = sample_record()
+    b = mlxcache.open_backend(redis_url, chunk_size="4KiB")
+    b.put("from-parent", rec)
+    code = """
+        import hashlib, sys
+        import mlx.core as mx, mlxcache
+        b = mlxcache.open_backend(sys.argv[1], chunk_size="4KiB")
+        got = b.get("from-parent")
+        h = hashlib.sha256()
+        for name in sorted(got.arrays):
+            a = got.arrays[name]
+            h.update(f"{name}{a.dtype}{a.shape}".encode() + bytes(memoryview(mx.contiguous(a))))
+        print(h.hexdigest())
+        b.put("from-child", got)
+    """
+    out = run_py(code, redis_url).strip()
+    h = hashlib.sha256()
+    for name in sorted(rec.arrays):
+        a = rec.arrays[name]
+        h.update(f"{name}{a.dtype}{a.shape}".encode() + bits(a))
+    assert out == h.hexdigest()
+    assert_same(rec, b.get("from-child"))
+
+
+def test_many_processes_share_one_budget(redis_url):
+    max_bytes = 40_000
+    code = """
+        import hashlib, random, sys, time
+        import mlx.core as mx, mlxcache, redis
+        from mlxcache import Record
+
+        def sha(a):
+            return hashlib.sha256(bytes(memoryview(a))).hexdigest()
+
+        url, seed, max_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        b = mlxcache.open_backend(url, max_bytes=max_bytes, chunk_size=2048)
+        barrier = redis.Redis.from_url(url)
+        barrier.incr("test:barrier")
+        while int(barrier.get("test:barrier")) < 4:  # start together
+            time.sleep(0.005)
+        rng = random.Random(seed)
+        hits = 0
+        for i in range(150):
+            key = mx.random.key(seed * 1000 + i)
+            data = mx.random.randint(0, 256, (rng.randrange(500, 9000),), mx.uint8, key=key)
+            b.put(f"k{rng.randrange(12)}", Record({"x": data}, {"sha": sha(data)}))
+            got = b.get(f"k{rng.randrange(12)}")
+            if got is not None:
+                hits += 1
+                assert sha(got.arrays["x"]) == got.meta["sha"]
+        assert b.stats()["errors"] == 0, b.stats()
+        print(hits, b.stats()["evictions"])
+    """
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code), redis_url, str(seed), str(max_bytes)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONPATH": ROOT},
+        )  # fmt: skip
+        for seed in range(4)
+    ]
+    counts = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err[-3000:]
+        counts.append([int(x) for x in out.split()])
+    assert all(hits > 0 and evictions > 0 for hits, evictions in counts), counts
+    raw(redis_url).delete("test:barrier")
+    b = mlxcache.open_backend(redis_url, max_bytes=max_bytes, chunk_size=2048)
+    r = raw(redis_url)
+    s = b.stats()
+    sizes = {k.decode(): int(v) for k, v in r.hgetall("mlxcache:i:size").items()}
+    values = {k.decode()[len("mlxcache:v:") :] for k in r.scan_iter(match="mlxcache:v:*")}
+    assert 0 < s["bytes"] <= max_bytes
+    assert s["bytes"] == sum(sizes.values()) and set(sizes) == values
+    assert {m.decode() for m in r.zrange("mlxcache:i:lru", 0, -1)} == values
+    chunk_keys = {k.decode() for k in r.scan_iter(match="mlxcache:c:*")}
+    expected = set()
+    for info in r.hgetall("mlxcache:i:chunks").values():
+        gen, n = info.decode().split(":")
+        expected |= {f"mlxcache:c:{gen}:{i}" for i in range(int(n))}
+    assert chunk_keys == expected  # no orphaned chunks
+    for key in values:
+        got = b.get(key)
+        assert got is not None
+        digest = hashlib.sha256(bytes(memoryview(got.arrays["x"]))).hexdigest()
+        assert digest == got.meta["sha"]
+    assert b.stats()["errors"] == 0
+    json.dumps(s)  # stats are plain data
