@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mlx_vlm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from mlxcache import PrefixCache, PrefixHit, model_identity, open_backend
+from mlxcache import PrefixCache, PrefixHit, model_identity, open_backend, truncate_prompt_cache
 from mlxcache.backends.memory import MemoryBackend
 from mlxcache.tiny_models import build_model, load_config
 
@@ -313,6 +313,25 @@ def test_model_identity():
     assert model_identity(model, hash_weights=True) != ident
     gemma, _ = build_model("gemma3")
     assert model_identity(gemma).startswith("gemma3/")
+
+
+def test_threads_share_one_prefix_cache(turn1):
+    from concurrent.futures import ThreadPoolExecutor
+
+    ids, cache = turn1
+    pc = PrefixCache("memory://", model="qwen", block_size=BS)
+    requests = [ids[:n] for n in (16, 20, 33, 40)] * 3
+
+    def work(req):
+        pc.store(req, truncate_prompt_cache(cache, len(req)))
+        hit = pc.lookup(req + [3])
+        return hit.num_tokens, bits(hit.prompt_cache[0].keys)
+
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(work, requests))
+    for req, (n, k) in zip(requests, results, strict=True):
+        assert n == len(req) and k == bits(cache[0].keys[..., :n, :])
+    assert pc.stats()["hits"] == len(requests)
 
 
 # ---------------------------------------------------------------- across processes
