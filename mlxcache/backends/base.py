@@ -38,11 +38,15 @@ class CacheBackend(Protocol):
 
 
 def check_key(key: object) -> str:
-    """Return ``key`` if it is a non-empty str, else raise TypeError/ValueError."""
+    """Return ``key`` if it is a non-empty, UTF-8-encodable str, else raise TypeError/ValueError."""
     if not isinstance(key, str):
         raise TypeError(f"cache keys must be str, got {type(key).__name__}")
     if not key:
         raise ValueError("cache keys must not be empty")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"cache key {key!r} is not valid unicode (lone surrogate)") from None
     return key
 
 

@@ -139,15 +139,6 @@ def _pid_in(name: str, field: int) -> int | None:
         return None
 
 
-def _check_key(key: object) -> str:
-    check_key(key)
-    try:
-        key.encode("utf-8")  # type: ignore[union-attr]
-    except UnicodeEncodeError:
-        raise ValueError(f"cache key {key!r} is not valid unicode (lone surrogate)") from None
-    return key  # type: ignore[return-value]
-
-
 class DiskBackend(BackendBase):
     """Records as safetensors files under ``path``, LRU over ``max_bytes`` of file bytes.
 
@@ -422,7 +413,7 @@ class DiskBackend(BackendBase):
 
     def header(self, key: str) -> st.Header | None:
         """Metadata and tensor table of ``key`` without its tensor data (``mlxcache inspect``)."""
-        _check_key(key)
+        check_key(key)
         try:
             file = self._lookup([key]).get(key)
             return self._load(key, file, st.read_header)[0]
@@ -431,7 +422,7 @@ class DiskBackend(BackendBase):
             return None
 
     def get_many(self, keys: Iterable[str]) -> list[Record | None]:
-        keys = [_check_key(k) for k in keys]
+        keys = [check_key(k) for k in keys]
         try:
             files = self._lookup(keys)
         except sqlite3.Error as exc:
@@ -458,7 +449,7 @@ class DiskBackend(BackendBase):
         return self.contains_many([key])[0]  # type: ignore[list-item]
 
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
-        keys = [_check_key(k) for k in keys]
+        keys = [check_key(k) for k in keys]
         try:
             found = self._lookup(keys)
         except sqlite3.Error as exc:
@@ -517,7 +508,7 @@ class DiskBackend(BackendBase):
     # ------------------------------------------------------------ writes
 
     def put(self, key: str, record: Record) -> None:
-        _check_key(key)
+        check_key(key)
         check_record(record)
         if self.max_bytes == 0:
             return
@@ -569,7 +560,7 @@ class DiskBackend(BackendBase):
         self._remove_files([row[0] if row else None, *evicted], evicted=len(evicted))
 
     def delete(self, key: str) -> bool:
-        _check_key(key)
+        check_key(key)
         try:
             with self._transaction() as db:
                 row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
