@@ -1,0 +1,1 @@
+"""Integrations of mlxcache with inference libraries (``mlxcache.integrations.mlx_vlm``)."""
