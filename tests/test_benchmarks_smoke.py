@@ -1,0 +1,92 @@
+"""The benchmark's smoke mode runs end to end and writes well-formed rows (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _importable(module: str) -> bool:
+    code = f"import {module}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return (
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
+    )
+
+
+def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
+    out = tmp_path / "latest.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "| op |" in done.stdout  # the markdown table is printed
+
+    doc = json.loads(out.read_text())
+    assert doc["config"]["smoke"] is True
+    assert doc["machine"]["nproc"] >= 1
+    rows = doc["rows"]
+    names = {(r["section"], r["name"]) for r in rows}
+
+    expected = {
+        ("throughput", "numpy memcpy"),
+        ("throughput", "mx.save_safetensors + fsync"),
+        ("throughput", "mx.load + eval"),
+        ("throughput", "raw write + fsync (dd)"),
+        ("throughput", "raw read (page cache)"),
+        ("throughput", "pickle.dumps (numpy views)"),
+        ("throughput", "pickle.loads"),
+        ("throughput", "memory:// put"),
+        ("throughput", "memory:// get + eval"),
+        ("throughput", "safetensors.to_bytes"),
+        ("throughput", "safetensors.from_bytes"),
+        ("rss", "memory:// put"),
+        ("rss", "memory:// get"),
+    }
+    if _importable("mlx_lm"):
+        expected |= {
+            ("throughput", "mlx-lm save_prompt_cache"),
+            ("throughput", "mlx-lm load_prompt_cache + eval"),
+        }
+    if _importable("mlxcache.backends.disk"):
+        expected |= {
+            ("throughput", "file:// put"),
+            ("throughput", "file:// get"),
+            ("rss", "file:// put"),
+            ("rss", "file:// get"),
+        }
+    if _importable("mlxcache.prefix"):
+        expected.add(("lookup", "memory:// lookup"))
+    if shutil.which("redis-server"):
+        expected |= {("throughput", "redis-py SET (raw)"), ("throughput", "redis-py GET (raw)")}
+        if _importable("mlxcache.backends.redis"):
+            expected |= {("throughput", "redis:// put"), ("throughput", "redis:// get")}
+    missing = expected - names
+    assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
+
+    for row in rows:
+        stats = row["stats"]
+        assert stats is not None and stats["runs"] >= 1, row
+        assert math.isfinite(stats["median"]) and stats["median"] >= 0, row
+        assert stats["min"] <= stats["median"] <= stats["max"], row
+        if row["ratio"] is not None:
+            assert isinstance(row["ratio"], int | float), row
+            if row["section"] == "rss":
+                assert row["ratio"] >= 0, row  # a put that copies nothing shows 0
+            else:
+                assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+        if row["baseline"] and row["section"] == "throughput":
+            assert any(r["name"] == row["baseline"] for r in rows), row
