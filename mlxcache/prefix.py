@@ -195,22 +195,25 @@ class PrefixCache:
         if not keys:
             return 0
         exists = self.backend.contains_many(keys)
+        # build what can fail (unsupported checkpoint classes, bad extras) before any put
+        tail = vision = None
+        if tail_key and not exists[len(blocks)]:
+            last = n_full if r else n_full - 1
+            tail = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
+        if vkey and not exists[-1]:
+            from mlxcache.serializers.prompt_cache import dump_prompt_cache
+
+            vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
         written = records = 0
         for (key, i, m), there in zip(blocks, exists, strict=False):
             if not there:
                 rec = pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m)
                 self.backend.put(key, rec)
                 written, records = written + m, records + 1
-        if tail_key and not exists[len(blocks)]:
-            last = n_full if r else n_full - 1
-            rec = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
-            self.backend.put(tail_key, rec)
-            records += 1
-        if vkey and not exists[-1]:
-            from mlxcache.serializers.prompt_cache import dump_prompt_cache
-
-            self.backend.put(vkey, dump_prompt_cache(vision_embeddings, meta={"kind": "vision"}))
-            records += 1
+        for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
+            if rec is not None:
+                self.backend.put(key, rec)
+                records += 1
         self._count(stores=1, tokens_written=written, records_written=records)
         return written
 

@@ -264,6 +264,21 @@ def test_quantized_and_concatenate_caches_round_trip_by_block(turn1):
         assert got.offset == 40 and getattr(got, "bits", 0) == getattr(want, "bits", 0)
 
 
+def test_bad_arguments_fail_before_anything_is_written(turn1):
+    ids, cache = turn1
+    backend = MemoryBackend()
+    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    with pytest.raises(ValueError, match="holds 40 tokens but token_ids has 39"):
+        pc.store(ids[:39], cache)
+    with pytest.raises(TypeError):
+        pc.store(ids, [*cache, object()])  # a layer the serializer cannot store
+    with pytest.raises(ValueError, match="image_positions"):
+        pc.lookup(ids, images=[b"a"], image_positions=[99])
+    with pytest.raises(ValueError, match="block_size"):
+        PrefixCache(backend, model="qwen", block_size=0)
+    assert len(backend) == 0
+
+
 class CountingBackend(MemoryBackend):
     """A real memory backend that counts round trips."""
 
