@@ -204,6 +204,27 @@ def test_unsupported_cache_class_runs_uncached(caplog):
     assert len(cache.backend) == 0
 
 
+def test_another_image_never_reuses_the_prefix_and_text_only_prompts_work():
+    from mlxcache.integrations.mlx_vlm import generate_tokens
+    from mlxcache.prefix import PrefixCache
+    from mlxcache.tiny_models import build_model
+
+    model, _ = build_model("qwen2_vl", 0)
+    ids, pixel_values, kwargs = _inputs("qwen2_vl", 64)
+    cache = PrefixCache("memory://", model="tiny-qwen2-vl-test", block_size=16)
+    generate_tokens(model, ids, pixel_values, cache=cache, max_tokens=2, **kwargs)
+    other = pixel_values[::-1]  # the same prompt with another image
+    expected = generate_tokens(model, ids, other, max_tokens=3, **kwargs)
+    r = generate_tokens(model, ids, other, cache=cache, max_tokens=3, **kwargs)
+    assert r.cached_tokens == 0 and not r.vision_cached and r.tokens == expected.tokens
+
+    text = [t for t in ids if t < 990]  # no image at all
+    expected = generate_tokens(model, text, max_tokens=3)
+    generate_tokens(model, text, cache=cache, max_tokens=3)
+    r = generate_tokens(model, text, cache=cache, max_tokens=3)
+    assert r.cached_tokens == len(text) - 1 and r.tokens == expected.tokens
+
+
 def test_cached_generate_with_prepared_inputs_and_a_tokenizer():
     from mlxcache.integrations.mlx_vlm import cached_generate, stream_cached_generate
     from mlxcache.prefix import PrefixCache

@@ -88,8 +88,8 @@ def _as_ids(input_ids: Any) -> mx.array:
     ids = input_ids if isinstance(input_ids, mx.array) else mx.array(input_ids)
     if ids.ndim == 1:
         ids = ids[None]
-    if ids.ndim != 2 or ids.shape[1] == 0:
-        raise ValueError(f"input_ids must be a non-empty (1, n) array, got shape {ids.shape}")
+    if ids.ndim != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ValueError(f"input_ids must hold one non-empty prompt, got shape {ids.shape}")
     return ids
 
 
@@ -146,14 +146,9 @@ def prefill(
     lm = model.language_model
     fresh = make_prompt_cache(lm)
 
-    reason = None
-    if cache is not None:
-        if ids.shape[0] != 1:
-            reason = "only single prompts (batch size 1) are cached"
-        else:
-            reason = static_unsupported_reason(model, fresh)
+    reason = static_unsupported_reason(model, fresh) if cache is not None else None
     keys = image_keys(images, pixel_values, model_kwargs)
-    tokens = ids[0].tolist() if ids.shape[0] == 1 else []
+    tokens = ids[0].tolist()
 
     hit, restored = None, None
     if cache is not None and reason is None and n > 1:
