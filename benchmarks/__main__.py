@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     repeat = args.repeat or (2 if smoke else 5)
     lookup_blocks = args.lookup_blocks or (2000 if smoke else 100_000)
     lookup_disk = args.lookup_blocks_disk or (100 if smoke else 2000)
-    prompt_lengths = args.prompt_lengths or ([32, 64] if smoke else [128, 512, 1024])
+    prompt_lengths = args.prompt_lengths or ([32, 64] if smoke else [128, 512, 2048])
     rss_sizes = sizes[:1] if smoke else sizes
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))

@@ -69,11 +69,13 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("rss", "file:// get"),
         }
     if _importable("mlxcache.prefix"):
-        expected.add(("lookup", "memory:// lookup"))
+        expected |= {("lookup", "memory:// lookup (hit)"), ("lookup", "memory:// lookup (miss)")}
     if shutil.which("redis-server"):
         expected |= {("throughput", "redis-py SET (raw)"), ("throughput", "redis-py GET (raw)")}
         if _importable("mlxcache.backends.redis"):
             expected |= {("throughput", "redis:// put"), ("throughput", "redis:// get")}
+    if _importable("mlxcache.integrations.mlx_vlm") and _importable("mlxcache.backends.disk"):
+        expected |= {("ttft", "qwen2_vl uncached"), ("ttft", "qwen2_vl file:// warm")}
     missing = expected - names
     assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
 
