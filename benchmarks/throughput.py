@@ -33,6 +33,7 @@ SECTION = "throughput"
 CHUNK = 64 * 2**20  # dd-style block size
 REDIS_MAX_STRING = 512 * 2**20  # Redis' default proto-max-bulk-len: raw SETs are split like ours
 KEY = "bench-kv"
+LARGE_REPEAT = 3
 
 
 @dataclass
@@ -108,9 +109,10 @@ class _Sizer:
     def __init__(self, tokens: int, ctx: Context) -> None:
         self.tokens = tokens
         self.ctx = ctx
-        self.repeat = ctx.repeat
         self.arrays = kv_arrays(tokens)
         self.nbytes = payload_bytes(self.arrays)
+        # over 1 GB, each run takes seconds: at most LARGE_REPEAT runs keep the benchmark short
+        self.repeat = ctx.repeat if self.nbytes < 1e9 else min(ctx.repeat, LARGE_REPEAT)
         self.views = [memoryview(a).cast("B") for a in self.arrays.values()]
         self.record = Record(arrays=self.arrays, meta={"tokens": tokens, "model": "bench"})
         self.caches = _mlx_lm_caches(self.arrays, tokens)
@@ -124,6 +126,7 @@ class _Sizer:
 
     def baseline(self, name: str, stats: Stats, note: str = "") -> None:
         self.base[name] = stats
+        _debug_rss(name)
         self.rows.append(
             Row(SECTION, name, self.tokens, self.nbytes, "s", stats, note=note, ratio_kind="limit")
         )
@@ -157,6 +160,7 @@ class _Sizer:
             note=note,
         )
         self.rows.append(row)
+        _debug_rss(name)
         return row
 
     def check(self, got: Record | None, what: str) -> None:
@@ -168,14 +172,20 @@ class _Sizer:
             raise RuntimeError(f"{what}: the stored record came back different")
 
 
+def _debug_rss(name: str) -> None:
+    if os.environ.get("MLXCACHE_BENCH_DEBUG"):
+        with open("/proc/self/status") as f:
+            mem = [line.split()[1] for line in f if line.startswith(("VmRSS", "VmHWM"))]
+        print(f"  {name}: VmHWM {int(mem[0]) >> 10} MiB, VmRSS {int(mem[1]) >> 10} MiB")
+
+
 def run_size(tokens: int, ctx: Context) -> list[Row]:
     """All throughput rows for one cache size."""
     s = _Sizer(tokens, ctx)
-    src = _memory_rows(s)
+    _memory_rows(s)
     _disk_rows(s)
     if ctx.redis_url:
-        _redis_rows(s, src)
-    del src
+        _redis_rows(s)
     _serializer_rows(s)
     rows = s.rows
     del s
@@ -184,16 +194,16 @@ def run_size(tokens: int, ctx: Context) -> list[Row]:
     return rows
 
 
-def _memory_rows(s: _Sizer) -> np.ndarray:
-    """numpy memcpy (the limit), memory:// put/get; returns the payload as one numpy buffer."""
+def _memory_rows(s: _Sizer) -> None:
+    """numpy memcpy of the payload's bytes (the limit), then memory:// put/get."""
     src = np.empty(s.nbytes, np.uint8)
     pos = 0
     for v in s.views:
         src[pos : pos + len(v)] = np.frombuffer(v, np.uint8)
         pos += len(v)
     dst = np.ones_like(src)
-    s.baseline("numpy memcpy", s.time(lambda d=dst: np.copyto(d, src), warmup=1))
-    del dst
+    s.baseline("numpy memcpy", s.time(lambda d=dst, x=src: np.copyto(d, x), warmup=1))
+    del dst, src
 
     with open_backend("memory://") as mem:
         s.ours("memory:// put", s.time(lambda: mem.put(KEY, s.record)), "numpy memcpy")
@@ -207,7 +217,7 @@ def _memory_rows(s: _Sizer) -> np.ndarray:
             note="arrays not evaluated",
             absolute=("< 100 µs", call.median < 100e-6),
         )
-        used = time_runs(lambda: evaluate(mem.get(KEY)), many, warmup=1, collect=False)
+        used = s.time(lambda: evaluate(mem.get(KEY)), warmup=1, collect=False)
         s.ours(
             "memory:// get + eval",
             used,
@@ -216,7 +226,6 @@ def _memory_rows(s: _Sizer) -> np.ndarray:
             absolute=("< 100 µs", used.median < 100e-6),
         )
         mem.clear()
-    return src
 
 
 def _disk_rows(s: _Sizer) -> None:
@@ -352,9 +361,9 @@ def _prompt_cache_rows(s: _Sizer, backend: Any) -> None:
     backend.delete(key)
 
 
-def _redis_rows(s: _Sizer, src: np.ndarray) -> None:
+def _redis_rows(s: _Sizer) -> None:
     """Raw redis-py SET/GET of the same byte count, then redis:// put/get."""
-    _raw_redis_rows(s, src)
+    _raw_redis_rows(s)
     if not have("mlxcache.backends.redis"):
         s.ctx.note("mlxcache.backends.redis had not landed: redis:// rows are left out.")
         return
@@ -376,12 +385,16 @@ def _redis_rows(s: _Sizer, src: np.ndarray) -> None:
         backend.clear()
 
 
-def _raw_redis_rows(s: _Sizer, src: np.ndarray) -> None:
+def _raw_redis_rows(s: _Sizer) -> None:
     import redis
 
     client = redis.Redis.from_url(s.ctx.redis_url, socket_timeout=300)
-    data = src.tobytes()  # one bytes object, as a client would hold a value
-    chunks = [data[i : i + REDIS_MAX_STRING] for i in range(0, len(data), REDIS_MAX_STRING)]
+    data = b"".join(s.views)  # one bytes object, as a client would hold a value
+    if len(data) <= REDIS_MAX_STRING:
+        chunks: list[bytes | memoryview] = [data]
+    else:  # over Redis' string limit: 512 MiB slices, sent in one MULTI
+        view = memoryview(data)
+        chunks = [view[i : i + REDIS_MAX_STRING] for i in range(0, len(data), REDIS_MAX_STRING)]
     keys = [f"raw:{i}" for i in range(len(chunks))]
 
     def raw_set() -> None:
