@@ -12,6 +12,24 @@ import mlx_lm.models.cache as lmc
 import mlx_vlm.models.cache as vlc
 import numpy as np
 import pytest
+from cache_cases import (  # a module of tests/, on pytest's path
+    CASES,
+    EMPTY,
+    arrays,
+    assert_same,
+    bits,
+    buffered,
+    chunked,
+    fill,
+    kv,
+    pooling,
+    rand,
+    record_bits,
+    rotated,
+    roundtrip,
+    step_for,
+    tree_bits,
+)
 
 from mlxcache import FormatError, Record, UnsupportedVersionError
 from mlxcache.serializers import (
@@ -23,220 +41,6 @@ from mlxcache.serializers import (
 )
 from mlxcache.serializers import safetensors as st
 from mlxcache.tiny_models import build_model
-
-# ---------------------------------------------------------------- helpers
-
-
-def bits(a: mx.array) -> tuple:
-    """Everything that identifies an array's content: dtype, shape and raw bytes."""
-    return (str(a.dtype), tuple(a.shape), bytes(memoryview(mx.contiguous(a))))
-
-
-def tree_bits(x):
-    """An array-free, comparable image of a nested structure (arrays -> bits)."""
-    if isinstance(x, mx.array):
-        return ("array", bits(x))
-    if isinstance(x, (list, tuple)):
-        return (type(x).__name__, [tree_bits(v) for v in x])
-    if isinstance(x, dict):
-        return ("dict", [(k, tree_bits(v)) for k, v in x.items()])
-    return ("value", type(x).__name__, x)
-
-
-def record_bits(record: Record) -> dict:
-    return {name: bits(a) for name, a in record.arrays.items()}
-
-
-def roundtrip(obj, meta=None):
-    """dump -> safetensors bytes -> parse -> load."""
-    blob = st.to_bytes(dump_prompt_cache(obj, meta))
-    return load_prompt_cache(st.from_bytes(blob), return_metadata=meta is not None)
-
-
-_SKIP_ATTRS = {"_speculation_generation", "metadata_revision"}
-
-
-def scalar_attrs(c) -> dict:
-    """Plain (non-array) attributes of a cache object, e.g. offset, _idx, keep, max_size."""
-    out = {}
-    for k, v in vars(c).items():
-        if k in _SKIP_ATTRS:
-            continue
-        if v is None or isinstance(v, (bool, int, float, str)):
-            out[k] = v
-        elif isinstance(v, list) and all(isinstance(x, int) for x in v):
-            out[k] = list(v)
-    return out
-
-
-def assert_same(orig, restored):
-    """Same class, same scalar attributes and the same stored bits."""
-    assert type(restored) is type(orig)
-    if isinstance(orig, (vlc.CacheList, lmc.CacheList)):
-        assert len(orig.caches) == len(restored.caches)
-        for a, b in zip(orig.caches, restored.caches, strict=True):
-            assert_same(a, b)
-        return
-    assert scalar_attrs(restored) == scalar_attrs(orig)
-    a, b = dump_prompt_cache(orig), dump_prompt_cache(restored)
-    assert a.meta == b.meta
-    assert record_bits(a) == record_bits(b)
-
-
-def rand(shape, dtype=mx.float32):
-    """Random values; for bf16 random *bit patterns* (NaN payloads, infs, subnormals)."""
-    if dtype == mx.bfloat16:
-        raw = mx.random.randint(0, 1 << 16, shape, dtype=mx.int32).astype(mx.uint16)
-        return raw.view(mx.bfloat16)
-    return mx.random.normal(shape).astype(dtype)
-
-
-def kv(n, dtype=mx.float32, b=1, h=2, d=16):
-    return rand((b, h, n, d), dtype), rand((b, h, n, d), dtype)
-
-
-# ---------------------------------------------------------------- the cases
-
-
-def _kv_updates(steps, dtype=mx.float32, d=16, b=1):
-    def step(c):
-        return [c.update_and_fetch(*kv(n, dtype, b=b, d=d)) for n in steps]
-
-    return step
-
-
-def _fill(c, steps, dtype=mx.float32, d=16, b=1):
-    _kv_updates(steps, dtype, d, b)(c)
-    return c
-
-
-def _chunked(lib):
-    c = _fill(lib.ChunkedKVCache(32), [40], mx.bfloat16)
-    c.maybe_trim_front()  # start_position 8
-    return _fill(c, [5], mx.bfloat16)
-
-
-def _chunked_step(c):
-    out = c.update_and_fetch(*kv(3, mx.bfloat16))
-    c.maybe_trim_front()
-    return [out, c.update_and_fetch(*kv(2, mx.bfloat16))]
-
-
-def _arrays(lib):
-    c = lib.ArraysCache(3)
-    c[0] = rand((1, 3, 8), mx.bfloat16)
-    c[1] = rand((1, 2, 4, 4))
-    return c  # c[2] stays None
-
-
-def _pooling():
-    c = vlc.PoolingCache(4)
-    c.accumulate_windows(rand((1, 10, 8)), rand((1, 10, 8)), 0)  # remainder 2
-    c.update_and_fetch(rand((1, 2, 8)))
-    return c
-
-
-def _pooling_step(c):
-    a = c.accumulate_windows(rand((1, 1, 8)), rand((1, 1, 8)), 10)
-    b = c.accumulate_windows(rand((1, 1, 8)), rand((1, 1, 8)), 11)
-    return [a[:2], b[:2], c.update_and_fetch(rand((1, 1, 8)))]
-
-
-def _batch_pooling():
-    rows = [_pooling(), vlc.PoolingCache(4)]
-    rows[1].accumulate_windows(rand((1, 5, 8)), rand((1, 5, 8)), 0)
-    rows[1].update_and_fetch(rand((1, 1, 8)))
-    return vlc.BatchPoolingCache.merge(rows)
-
-
-def _batch_pooling_step(c):
-    return [c.accumulate_windows(rand((2, 1, 8)), rand((2, 1, 8)), 12)[:2]]
-
-
-def _rotated(lib):
-    c = _fill(lib.RotatingKVCache(max_size=16, keep=4), [10], mx.float16)
-    return _fill(c, [1] * 12, mx.float16)  # offset 22 > 16: rotated buffer
-
-
-def _buffered(keep):
-    c = _fill(vlc.BufferedRotatingKVCache(16, keep=keep, buffer_size=8), [10], mx.bfloat16)
-    return _fill(c, [1] * 20, mx.bfloat16)
-
-
-def _quant_vlm():
-    return _fill(vlc.QuantizedKVCache(group_size=32, bits=4), [37, 1], mx.bfloat16, d=64)
-
-
-def _to_quantized(lib):
-    return _fill(lib.KVCache(), [37], d=64).to_quantized(group_size=64, bits=8)
-
-
-def _static():
-    c = _fill(vlc.StaticPrefixKVCache(64), [20], mx.bfloat16)
-    c.trim(3)
-    return c
-
-
-CASES = {
-    # id: (make, continue-step)
-    "vlm.KVCache.bf16": (lambda: _fill(vlc.KVCache(), [37, 5], mx.bfloat16), None),
-    "vlm.KVCache.f16": (lambda: _fill(vlc.KVCache(), [300], mx.float16), None),
-    "lm.KVCache.f32": (lambda: _fill(lmc.KVCache(), [37, 1]), None),
-    "lm.KVCache.bf16": (lambda: _fill(lmc.KVCache(), [20], mx.bfloat16), None),
-    "vlm.RotatingKVCache": (lambda: _rotated(vlc), None),
-    "lm.RotatingKVCache": (lambda: _rotated(lmc), None),
-    "vlm.RotatingKVCache.partial": (lambda: _fill(vlc.RotatingKVCache(64), [1] * 5), None),
-    "vlm.QuantizedKVCache": (_quant_vlm, None),
-    "lm.QuantizedKVCache": (lambda: _fill(lmc.QuantizedKVCache(), [40], d=64), None),
-    "vlm.KVCache.to_quantized": (lambda: _to_quantized(vlc), None),
-    "lm.KVCache.to_quantized": (lambda: _to_quantized(lmc), None),
-    "vlm.ChunkedKVCache": (lambda: _chunked(vlc), _chunked_step),
-    "lm.ChunkedKVCache": (lambda: _chunked(lmc), _chunked_step),
-    "vlm.ConcatenateKVCache": (lambda: _fill(vlc.ConcatenateKVCache(), [7, 3]), None),
-    "lm.ConcatenateKVCache": (lambda: _fill(lmc.ConcatenateKVCache(), [7, 3]), None),
-    "vlm.SimpleKVCache": (lambda: _fill(vlc.SimpleKVCache(), [9, 2], mx.bfloat16), None),
-    "vlm.StaticPrefixKVCache": (_static, None),
-    "vlm.BufferedRotatingKVCache": (lambda: _buffered(0), None),
-    "vlm.BufferedRotatingKVCache.keep": (lambda: _buffered(2), None),
-    "vlm.ArraysCache": (lambda: _arrays(vlc), lambda c: list(c.cache)),
-    "lm.ArraysCache": (lambda: _arrays(lmc), lambda c: list(c.cache)),
-    "vlm.PoolingCache": (_pooling, _pooling_step),
-    "vlm.CacheList": (
-        lambda: vlc.CacheList(_fill(vlc.KVCache(), [6]), _fill(vlc.RotatingKVCache(8), [12])),
-        lambda c: [_kv_updates([1])(x) for x in c.caches],
-    ),
-    "lm.CacheList": (
-        lambda: lmc.CacheList(_fill(lmc.KVCache(), [6]), _fill(lmc.ArraysCache(1), [])),
-        lambda c: [_kv_updates([1])(c.caches[0]), c.caches[1].cache],
-    ),
-    "vlm.BatchKVCache": (lambda: _fill(vlc.BatchKVCache([1, 0]), [5, 1], b=2), None),
-    "lm.BatchKVCache": (lambda: _fill(lmc.BatchKVCache([1, 0]), [5, 1], b=2), None),
-    "vlm.BatchRotatingKVCache": (
-        lambda: _fill(vlc.BatchRotatingKVCache(8, [1, 0]), [6] + [1] * 5, mx.bfloat16, b=2),
-        None,
-    ),
-    "lm.BatchRotatingKVCache": (
-        lambda: _fill(lmc.BatchRotatingKVCache(8, [1, 0]), [6] + [1] * 5, b=2),
-        None,
-    ),
-    "vlm.BatchQuantizedKVCache": (
-        lambda: _fill(vlc.BatchQuantizedKVCache([0, 2]), [5, 1], d=64, b=2),
-        lambda c: [c.update_and_fetch(*kv(1, d=64, b=2))],
-    ),
-    "vlm.BatchPoolingCache": (_batch_pooling, _batch_pooling_step),
-}
-
-
-def _step_for(case_id, c):
-    step = CASES[case_id][1]
-    if step is not None:
-        return step
-    dtype = c.keys.dtype if isinstance(c.keys, mx.array) else mx.float32
-    if "Batch" in case_id:
-        return lambda c: [c.update_and_fetch(*kv(1, dtype, b=2)) for _ in range(2)]
-    if "Quantized" in case_id or "to_quantized" in case_id:
-        return lambda c: [c.update_and_fetch(*kv(n, d=64)) for n in (1, 3)]
-    return _kv_updates([1, 3, 1], dtype)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -251,41 +55,13 @@ def test_roundtrip_every_class(case_id):
     assert cache_nbytes([cache]) == dump_prompt_cache([cache]).nbytes
 
     # the restored cache continues exactly like the original
-    step = _step_for(case_id, cache)
+    step = step_for(case_id, cache)
     seed = 1234
     mx.random.seed(seed)
     expected = tree_bits(step(cache))
     mx.random.seed(seed)
     assert tree_bits(step(restored)) == expected
     assert_same(cache, restored)
-
-
-EMPTY = {
-    "vlm.KVCache": vlc.KVCache,
-    "lm.KVCache": lmc.KVCache,
-    "vlm.RotatingKVCache": lambda: vlc.RotatingKVCache(16, keep=4),
-    "lm.RotatingKVCache": lambda: lmc.RotatingKVCache(16),
-    "vlm.QuantizedKVCache": vlc.QuantizedKVCache,
-    "lm.QuantizedKVCache": lmc.QuantizedKVCache,
-    "vlm.ChunkedKVCache": lambda: vlc.ChunkedKVCache(32),
-    "lm.ChunkedKVCache": lambda: lmc.ChunkedKVCache(32),
-    "vlm.ConcatenateKVCache": vlc.ConcatenateKVCache,
-    "lm.ConcatenateKVCache": lmc.ConcatenateKVCache,
-    "vlm.SimpleKVCache": vlc.SimpleKVCache,
-    "vlm.StaticPrefixKVCache": lambda: vlc.StaticPrefixKVCache(32),
-    "vlm.BufferedRotatingKVCache": lambda: vlc.BufferedRotatingKVCache(16),
-    "vlm.ArraysCache": lambda: vlc.ArraysCache(2),
-    "lm.ArraysCache": lambda: lmc.ArraysCache(2),
-    "vlm.PoolingCache": lambda: vlc.PoolingCache(4),
-    "vlm.CacheList": lambda: vlc.CacheList(vlc.KVCache(), vlc.RotatingKVCache(8)),
-    "lm.CacheList": lambda: lmc.CacheList(lmc.KVCache(), lmc.KVCache()),
-    "vlm.BatchKVCache": lambda: vlc.BatchKVCache([0, 1]),
-    "lm.BatchKVCache": lambda: lmc.BatchKVCache([0, 1]),
-    "vlm.BatchRotatingKVCache": lambda: vlc.BatchRotatingKVCache(8, [0, 1]),
-    "lm.BatchRotatingKVCache": lambda: lmc.BatchRotatingKVCache(8, [0, 1]),
-    "vlm.BatchQuantizedKVCache": lambda: vlc.BatchQuantizedKVCache([0, 1]),
-    "vlm.BatchPoolingCache": lambda: vlc.BatchPoolingCache(4, [0, 1]),
-}
 
 
 @pytest.mark.parametrize("case_id", list(EMPTY))
@@ -422,7 +198,7 @@ def test_nested_structures_keep_their_shape():
     obj = {
         "vision": [rand((2, 8), mx.bfloat16), (k, v), None, 3, 2.5, "s", True, b"raw"],
         "deep": {"t": (mx.arange(3),), "empty": [], "d": {}},
-        "cache": [_fill(vlc.KVCache(), [3])],
+        "cache": [fill(vlc.KVCache(), [3])],
     }
     back = roundtrip(obj)
     assert tree_bits({k2: v2 for k2, v2 in back.items() if k2 != "cache"}) == tree_bits(
@@ -462,7 +238,7 @@ def test_every_dtype_byte_exact():
 @pytest.mark.parametrize("lib", [vlc, lmc], ids=["vlm", "lm"])
 def test_trimmed_tokens_are_not_stored(lib):
     mx.random.seed(9)
-    cache = _fill(lib.KVCache(), [100], mx.bfloat16)
+    cache = fill(lib.KVCache(), [100], mx.bfloat16)
     cache.trim(30)
     record = dump_prompt_cache([cache])
     keys = [a for n, a in record.arrays.items() if n.endswith("keys")]
@@ -470,10 +246,10 @@ def test_trimmed_tokens_are_not_stored(lib):
     assert record.nbytes == 2 * 70 * 2 * 16 * 2 == cache_nbytes([cache])
     assert bits(keys[0]) == bits(cache.keys[..., :70, :])
 
-    rot = _fill(lib.RotatingKVCache(32), [10])
+    rot = fill(lib.RotatingKVCache(32), [10])
     rot.trim(3)
     assert dump_prompt_cache(rot).nbytes == 2 * 7 * 2 * 16 * 4
-    q = _fill(lib.QuantizedKVCache(), [50], d=64)
+    q = fill(lib.QuantizedKVCache(), [50], d=64)
     q.trim(10)
     assert all(a.shape[2] == 40 for a in dump_prompt_cache(q).arrays.values())
 
@@ -494,7 +270,7 @@ def test_no_aliasing_either_way(case_id):
     assert not {_address(x) for x in live} & {_address(a) for a in record.arrays.values()}
 
     # the caller trims and writes over the same positions: the record does not change
-    step = _step_for(case_id, cache)
+    step = step_for(case_id, cache)
     cache.trim(2)
     mx.eval(step(cache))
     assert record_bits(record) == snapshot
@@ -555,28 +331,28 @@ def test_truncate_prompt_cache(lib):
 def test_trimmable_prefix_classification():
     mx.random.seed(17)
     assert is_trimmable_prefix([vlc.KVCache(), lmc.QuantizedKVCache(), vlc.SimpleKVCache()])
-    assert is_trimmable_prefix(_fill(vlc.ConcatenateKVCache(), [4]))
-    assert is_trimmable_prefix(_fill(vlc.RotatingKVCache(16), [16]))  # full, nothing dropped
-    rotated = _rotated(vlc)
-    assert not is_trimmable_prefix(rotated) and not is_trimmable_prefix(_rotated(lmc))
+    assert is_trimmable_prefix(fill(vlc.ConcatenateKVCache(), [4]))
+    assert is_trimmable_prefix(fill(vlc.RotatingKVCache(16), [16]))  # full, nothing dropped
+    rot = rotated(vlc)
+    assert not is_trimmable_prefix(rot) and not is_trimmable_prefix(rotated(lmc))
     with pytest.raises(ValueError, match="rotated"):
-        truncate_prompt_cache([rotated], 3)
-    assert is_trimmable_prefix(_fill(vlc.BufferedRotatingKVCache(16), [12]))
-    assert not is_trimmable_prefix(_buffered(0))
-    chunked = _chunked(vlc)
-    assert not is_trimmable_prefix(chunked) and is_trimmable_prefix(vlc.ChunkedKVCache(8))
-    assert truncate_prompt_cache(chunked, 20)[0].offset == 20  # above start_position 8
+        truncate_prompt_cache([rot], 3)
+    assert is_trimmable_prefix(fill(vlc.BufferedRotatingKVCache(16), [12]))
+    assert not is_trimmable_prefix(buffered(0))
+    chk = chunked(vlc)
+    assert not is_trimmable_prefix(chk) and is_trimmable_prefix(vlc.ChunkedKVCache(8))
+    assert truncate_prompt_cache(chk, 20)[0].offset == 20  # above start_position 8
     with pytest.raises(ValueError, match="dropped"):
-        truncate_prompt_cache(chunked, 5)
-    for c in (_arrays(vlc), _pooling(), vlc.BatchKVCache([0])):
+        truncate_prompt_cache(chk, 5)
+    for c in (arrays(vlc), pooling(), vlc.BatchKVCache([0])):
         assert not is_trimmable_prefix(c)
         with pytest.raises(ValueError, match="cannot be cut"):
             truncate_prompt_cache([c], 0)
-    lst = vlc.CacheList(_fill(vlc.KVCache(), [6]), _fill(vlc.QuantizedKVCache(), [6], d=64))
+    lst = vlc.CacheList(fill(vlc.KVCache(), [6]), fill(vlc.QuantizedKVCache(), [6], d=64))
     assert is_trimmable_prefix(lst)
     (cut,) = truncate_prompt_cache([lst], 4)
     assert type(cut) is vlc.CacheList and [c.offset for c in cut.caches] == [4, 4]
-    assert not is_trimmable_prefix(vlc.CacheList(vlc.KVCache(), _arrays(vlc)))
+    assert not is_trimmable_prefix(vlc.CacheList(vlc.KVCache(), arrays(vlc)))
 
 
 # ---------------------------------------------------------------- bad input
@@ -593,7 +369,7 @@ def test_unsupported_objects_raise_type_error():
         (vlc.TokenBuffer() if hasattr(vlc, "TokenBuffer") else lmc.TokenBuffer(), "TokenBuffer"),
     ]:
         with pytest.raises(TypeError, match=name):
-            dump_prompt_cache([_fill(vlc.KVCache(), [2]), bad])
+            dump_prompt_cache([fill(vlc.KVCache(), [2]), bad])
         with pytest.raises(TypeError, match=name):
             cache_nbytes([bad])
         with pytest.raises(TypeError, match=name):
