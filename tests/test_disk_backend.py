@@ -305,20 +305,20 @@ def test_full_disk_is_a_logged_no_op(tmp_path, monkeypatch, caplog):
     b = DiskBackend(tmp_path)
     b.put("a", make_record("a"))
     before = index_rows(tmp_path)
-    real_write = disk._write_file
+    real_write = disk.write_file
 
     def full(path, head, views):  # the disk fills up halfway through the file
         with open(path, "xb") as f:
             f.write(head)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk, "_write_file", full)
+    monkeypatch.setattr(disk, "write_file", full)
     b.put("b", make_record("b"))  # does not raise
     b.put("a", make_record("a", 50))  # a failed re-put keeps the old entry
     assert "b" not in b and index_rows(tmp_path) == before
     assert b.stats()["errors"] == 2 and "No space left" in caplog.text
     assert files(tmp_path, "tmp") == []
-    monkeypatch.setattr(disk, "_write_file", real_write)
+    monkeypatch.setattr(disk, "write_file", real_write)
     assert same(b.get("a"), make_record("a"))
     assert_consistent(tmp_path)
 
@@ -464,14 +464,14 @@ KILLED_WRITER = """
                     f.write(views[0][: len(views[0]) // 2])
                     f.flush()
                     hang("ready")
-            disk._write_file = _write_file
+            disk.write_file = _write_file
         elif stage == "rename":  # killed after the rename into data/, before the index commit
-            real_fsync = disk._fsync_dir
+            real_fsync = disk.fsync_dir
             def _fsync_dir(path):
                 real_fsync(path)
                 if path.parent.name == "data":
                     hang("ready")
-            disk._fsync_dir = _fsync_dir
+            disk.fsync_dir = _fsync_dir
         elif stage == "unlink":  # killed after the commit, before the replaced file is removed
             disk.DiskBackend._remove_files = lambda self, *a, **k: hang("ready")
 

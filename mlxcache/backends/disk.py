@@ -39,6 +39,7 @@ from mlxcache.backends.base import (
     check_record,
     log,
 )
+from mlxcache.backends.disk_files import fsync_dir, pid_alive, pid_in, unlink, write_file
 from mlxcache.errors import FormatError
 from mlxcache.options import Options
 from mlxcache.record import Record
@@ -82,61 +83,6 @@ INSERT INTO entries (key, file, size, access_time, store_time) VALUES (?, ?, ?, 
 ON CONFLICT(key) DO UPDATE SET file = excluded.file, size = excluded.size,
     access_time = excluded.access_time, store_time = excluded.store_time
 """
-
-
-def _write_file(path: str, head: bytes, views: list[memoryview]) -> None:
-    """Create ``path`` (it must not exist), write the blob straight from the buffers, fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-    with open(fd, "wb") as f:
-        f.write(head)
-        for view in views:
-            f.write(view)  # large buffers go to the OS without a copy
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename or a new name in ``path`` durable (a no-op where folders cannot be synced)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _unlink(path: Path | str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.warning("file cache: could not remove %s: %s", path, exc)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: alive, owned by someone else
-        return True
-    return True
-
-
-def _pid_in(name: str, field: int) -> int | None:
-    """The writer pid embedded in a temp name (field 0) or data name (field 1)."""
-    parts = name.split("-")
-    try:
-        return int(parts[field])
-    except (IndexError, ValueError):
-        return None
 
 
 class DiskBackend(BackendBase):
@@ -277,28 +223,28 @@ class DiskBackend(BackendBase):
             if pid is None or pid == me:
                 return False
             if pid not in alive:
-                alive[pid] = _pid_alive(pid)
+                alive[pid] = pid_alive(pid)
             return not alive[pid]
 
         try:
             for entry in os.scandir(self._tmp):
-                if entry.is_file() and debris(entry, _pid_in(entry.name, 0)):
-                    _unlink(entry.path)
+                if entry.is_file() and debris(entry, pid_in(entry.name, 0)):
+                    unlink(entry.path)
             candidates: list[str] = []
             for sub in os.scandir(self._data):
                 if not sub.is_dir():
                     continue
                 for entry in os.scandir(sub.path):
-                    if entry.is_file() and debris(entry, _pid_in(entry.name, 1)):
+                    if entry.is_file() and debris(entry, pid_in(entry.name, 1)):
                         candidates.append(f"{sub.name}/{entry.name}")
             if candidates:
                 indexed = {f for (f,) in self._db().execute("SELECT file FROM entries")}
                 for name in candidates:
                     if name not in indexed:
-                        _unlink(self._data / name)
+                        unlink(self._data / name)
             for entry in os.scandir(self._quarantine):
                 if entry.is_file() and now - entry.stat().st_mtime > QUARANTINE_SECONDS:
-                    _unlink(entry.path)
+                    unlink(entry.path)
         except (OSError, sqlite3.Error) as exc:
             log.warning("file cache: cleanup of %s failed: %s", self.root, exc)
 
@@ -327,7 +273,7 @@ class DiskBackend(BackendBase):
             self._counters.add("evictions", evicted)
         for file in files:
             if file:
-                _unlink(self._data / file)
+                unlink(self._data / file)
 
     def _sql_error(self, what: str, exc: Exception) -> None:
         self._counters.add("errors")
@@ -351,7 +297,7 @@ class DiskBackend(BackendBase):
         except FileNotFoundError:
             where = "file missing"
         except OSError:
-            _unlink(src)
+            unlink(src)
             where = "deleted"
         log.warning("file cache: dropped unreadable entry %r (%s): %s", key, where, exc)
 
@@ -528,22 +474,22 @@ class DiskBackend(BackendBase):
         final = self._data / name
         try:
             try:
-                _write_file(str(tmp), head, views)
+                write_file(str(tmp), head, views)
                 if not final.parent.is_dir():
                     final.parent.mkdir(exist_ok=True)
-                    _fsync_dir(self._data)
+                    fsync_dir(self._data)
                 os.replace(tmp, final)
-                _fsync_dir(final.parent)
+                fsync_dir(final.parent)
             except OSError as exc:
-                _unlink(tmp)
-                _unlink(final)
+                unlink(tmp)
+                unlink(final)
                 self._counters.add("errors")
                 topic = "enospc" if exc.errno == errno.ENOSPC else "write"
                 self._rlog.warning(topic, "file cache: could not store %r: %s", key, exc)
                 return
         except BaseException:
-            _unlink(tmp)
-            _unlink(final)
+            unlink(tmp)
+            unlink(final)
             raise
         try:
             now = time.time()
@@ -552,7 +498,7 @@ class DiskBackend(BackendBase):
                 db.execute(_UPSERT, (key, name, size, now, now))
                 evicted = [] if self.max_bytes is None else self._evict(db, self.max_bytes, key)
         except BaseException as exc:
-            _unlink(final)
+            unlink(final)
             if not isinstance(exc, sqlite3.Error):
                 raise
             self._sql_error("put", exc)

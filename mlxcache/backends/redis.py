@@ -18,7 +18,6 @@ client sees one true total and evicts by one LRU order. See docs/backends.md.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import threading
@@ -41,6 +40,7 @@ from mlxcache.backends.base import (
     check_record,
     log,
 )
+from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
 from mlxcache.errors import FormatError, UnsupportedVersionError
 from mlxcache.options import Options
 from mlxcache.record import Record
@@ -55,130 +55,6 @@ MANIFEST_MAGIC = b"mlxcache-chunks:1\n"  # as a u64 header length this is absurd
 # Errors that mean "the server is not there": they start the reconnect backoff.
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 _FAILURES = (RedisError, OSError)
-
-# ------------------------------------------------------------------ Lua
-
-_LUA_COMMON = """
-local P = ARGV[1]
-local LRU, SIZE, EXP, CHUNKS, TOTAL, CLOCK = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-
-local function unlink_chunks(info)
-  local gen, n = string.match(info, '^(.*):(%d+)$')
-  if not gen then return end
-  for i = 0, tonumber(n) - 1 do redis.call('UNLINK', P .. 'c:' .. gen .. ':' .. i) end
-end
-
--- forget a key everywhere; returns 1 if its value still existed
-local function drop(member)
-  local size = redis.call('HGET', SIZE, member)
-  if size then redis.call('DECRBY', TOTAL, size) end
-  redis.call('HDEL', SIZE, member)
-  redis.call('ZREM', LRU, member)
-  redis.call('ZREM', EXP, member)
-  local info = redis.call('HGET', CHUNKS, member)
-  if info then
-    unlink_chunks(info)
-    redis.call('HDEL', CHUNKS, member)
-  end
-  return redis.call('UNLINK', P .. 'v:' .. member)
-end
-
-local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-end
-
--- drop index entries of keys whose TTL has passed (Redis expired the values themselves)
-local function sweep(now)
-  while true do
-    local gone = redis.call('ZRANGEBYSCORE', EXP, '-inf', now, 'LIMIT', 0, 512)
-    for _, m in ipairs(gone) do drop(m) end
-    if #gone < 512 then return end
-  end
-end
-
-local function total()
-  return tonumber(redis.call('GET', TOTAL) or '0')
-end
-"""
-
-# KEYS: 6 index keys, value key, [chunk keys]
-# ARGV: prefix, member, size, ttl_ms (0 = none), max_bytes (-1 = none), "gen:n" or "",
-#       manifest or "" (then the value was SET by the same MULTI, just before this script)
-_COMMIT = (
-    _LUA_COMMON
-    + """
-local member, size, ttl, maxb = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local info, manifest = ARGV[6], ARGV[7]
-local now = now_ms()
-sweep(now)
-if manifest ~= '' then
-  for i = 8, #KEYS do
-    if redis.call('EXISTS', KEYS[i]) == 0 then return {-1, 0} end
-  end
-  for i = 8, #KEYS do
-    if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
-  end
-  if ttl > 0 then
-    redis.call('SET', KEYS[7], manifest, 'PX', ttl)
-  else
-    redis.call('SET', KEYS[7], manifest)
-  end
-end
-local old = redis.call('HGET', CHUNKS, member)
-if old and old ~= info then unlink_chunks(old) end
-local old_size = redis.call('HGET', SIZE, member)
-if old_size then redis.call('DECRBY', TOTAL, old_size) end
-redis.call('HSET', SIZE, member, size)
-redis.call('INCRBY', TOTAL, size)
-redis.call('ZADD', LRU, redis.call('INCR', CLOCK), member)
-if info ~= '' then redis.call('HSET', CHUNKS, member, info)
-else redis.call('HDEL', CHUNKS, member) end
-if ttl > 0 then redis.call('ZADD', EXP, now + ttl, member) else redis.call('ZREM', EXP, member) end
-local evicted = 0
-if maxb >= 0 then
-  while total() > maxb do
-    local lru = redis.call('ZRANGE', LRU, 0, 1)
-    local victim = lru[1]
-    if victim == member then victim = lru[2] end
-    if not victim then break end
-    evicted = evicted + drop(victim)
-  end
-end
-if total() < 0 then redis.call('SET', TOTAL, 0) end
-return {1, evicted}
-"""
-)
-
-# KEYS: 6 index keys, value key. ARGV: prefix, member. Refresh LRU, or clean a vanished key.
-_TOUCH = (
-    _LUA_COMMON
-    + """
-if redis.call('EXISTS', KEYS[7]) == 1 then
-  if redis.call('ZSCORE', LRU, ARGV[2]) then
-    redis.call('ZADD', LRU, redis.call('INCR', CLOCK), ARGV[2])
-  end
-  return 1
-end
-if redis.call('HEXISTS', SIZE, ARGV[2]) == 1 then drop(ARGV[2]) end
-return 0
-"""
-)
-
-# KEYS: 6 index keys. ARGV: prefix, member.
-_DROP = _LUA_COMMON + "return drop(ARGV[2])\n"
-
-# KEYS: 6 index keys. ARGV: prefix. -> {entries, bytes}
-_STATS = (
-    _LUA_COMMON
-    + """
-sweep(now_ms())
-return {redis.call('ZCARD', LRU), total()}
-"""
-)
-
-_SCRIPTS = {"commit": _COMMIT, "touch": _TOUCH, "drop": _DROP, "stats": _STATS}
-_SHAS = {name: hashlib.sha1(body.encode()).hexdigest() for name, body in _SCRIPTS.items()}
 
 
 def glob_escape(text: str) -> str:
@@ -282,10 +158,10 @@ class RedisBackend(BackendBase):
             self._log.warning(op, "redis cache %s: %s failed: %s", self.url, op, exc)
 
     def _eval(self, target: Any, name: str, keys: list[str], args: list[Any]) -> Any:
-        return target.evalsha(_SHAS[name], len(keys), *keys, self.prefix, *args)
+        return target.evalsha(SHAS[name], len(keys), *keys, self.prefix, *args)
 
     def _load_scripts(self) -> None:
-        for body in _SCRIPTS.values():
+        for body in SCRIPTS.values():
             self.client.script_load(body)
 
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
