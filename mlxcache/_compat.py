@@ -166,7 +166,7 @@ def unpack(name: str, desc: dict[str, Any], record: Record, live: dict[str, Any]
     if kind == "none":
         return None
     if kind == "array":
-        return mx.array(record.arrays[name])
+        return record.arrays[name][...]  # a new array object over the same data
     if kind == "mlx":
         from mlxcache.serializers import load_prompt_cache
 

@@ -266,8 +266,10 @@ def test_no_aliasing_either_way(case_id):
     live = [x for x in vars(cache).values() if isinstance(x, mx.array)]
     live += [p for x in vars(cache).values() if isinstance(x, (list, tuple)) for p in x]
     assert not {id(x) for x in live} & {id(a) for a in record.arrays.values()}
-    # compact copies: the record never pins the live (padded) buffers
-    assert not {_address(x) for x in live} & {_address(a) for a in record.arrays.values()}
+    # a slice of a padded buffer is compacted; a whole buffer may be shared (no copy needed)
+    for a in record.arrays.values():
+        shared = [x for x in live if _address(x) == _address(a)]
+        assert all(x.nbytes == a.nbytes for x in shared)
 
     # the caller trims and writes over the same positions: the record does not change
     step = step_for(case_id, cache)

@@ -23,7 +23,7 @@ def detached(record: Record) -> Record:
     holds; a new object per array (O(1), no data copy) keeps such writes on either side from
     reaching the other.
     """
-    arrays = {name: mx.array(a) for name, a in record.arrays.items()}
+    arrays = {name: a[...] for name, a in record.arrays.items()}
     return Record(arrays=arrays, meta=meta_codec.unpack(meta_codec.pack(dict(record.meta))))
 
 

@@ -28,7 +28,9 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 import redis
+from redis._parsers import Encoder
 from redis.backoff import NoBackoff
+from redis.connection import PythonRespSerializer
 from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
@@ -51,6 +53,11 @@ DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
 DEFAULT_TIMEOUT = 5.0
 PENDING_CHUNK_MS = 600_000  # chunks of an unfinished write vanish on their own after this
 MANIFEST_MAGIC = b"mlxcache-chunks:1\n"  # as a u64 header length this is absurd: never a blob
+
+# redis-py's pure-Python packer sends large values and memoryviews as they are; with hiredis
+# installed the default packer would copy every value into one new command buffer (a full
+# extra copy of each record). Replies are still parsed by hiredis when it is there.
+_PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 
 # Errors that mean "the server is not there": they start the reconnect backoff.
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
@@ -113,6 +120,7 @@ class RedisBackend(BackendBase):
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(NoBackoff(), 1),  # one quick retry for a stale pooled connection
+            command_packer=_PACKER,
             **redis_kwargs,
         )
         self.client = redis.Redis(connection_pool=self.pool)

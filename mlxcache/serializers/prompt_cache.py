@@ -33,7 +33,7 @@ _SCALARS = (bool, int, float, str, bytes)
 def dump_prompt_cache(prompt_cache: Any, meta: dict[str, Any] | None = None) -> Record:
     """Snapshot a prompt cache (or any supported structure) into a new Record.
 
-    The record's arrays are fresh, evaluated copies: trimming or updating the cache later does
+    The record's arrays are new, evaluated array objects (slices compacted): trimming or updating the cache later does
     not change the record. ``meta`` (msgpack-able, str keys) is stored alongside and comes back
     from ``load_prompt_cache(record, return_metadata=True)``. Raises TypeError naming the first
     object it cannot store, before anything is copied.
@@ -44,7 +44,9 @@ def dump_prompt_cache(prompt_cache: Any, meta: dict[str, Any] | None = None) -> 
     meta_codec.pack(user)  # TypeError naming what msgpack cannot encode
     views: dict[str, mx.array] = {}
     root = _encode(prompt_cache, [], views, 0)
-    arrays = {name: mx.array(a) for name, a in views.items()}  # mx.array(x) copies
+    # New array objects: a slice of a larger buffer is compacted (copied), a whole buffer is
+    # shared. Either way the cache's later in-place updates cannot reach the record.
+    arrays = {name: mx.contiguous(a) for name, a in views.items()}
     mx.eval(list(arrays.values()))
     info = {"version": STRUCTURE_VERSION, "root": root}
     return Record(arrays=arrays, meta={META_KEY: info, USER_KEY: user})
@@ -120,7 +122,7 @@ def is_trimmable_prefix(cache: Any) -> bool:
 def truncate_prompt_cache(prompt_cache: Any, num_tokens: int) -> list:
     """New cache objects holding exactly the first ``num_tokens`` tokens of each cache.
 
-    The input is not changed and nothing aliases it (arrays are compact copies). Accepts a list
+    The input is not changed and nothing aliases it (arrays are new objects, slices compacted). Accepts a list
     of caches or a single cache (returned as a one-element list). Raises ValueError when a cache
     holds fewer tokens or cannot be cut there (see :func:`is_trimmable_prefix`), TypeError for
     an unsupported object.
@@ -226,7 +228,7 @@ def _truncate(cache: Any, n: int) -> Any:
 
 def _copy(value: Any) -> Any:
     if isinstance(value, mx.array):
-        return mx.array(value)
+        return mx.contiguous(value)  # a new object; slices compacted
     if isinstance(value, (tuple, list)):
         return type(value)(_copy(v) for v in value)
     return value
