@@ -2,8 +2,8 @@
 
 The child builds what it needs (the arrays for a put, an open backend for a get), resets the
 kernel's high-water mark (``/proc/self/clear_refs``), runs the operation once and reports
-``VmHWM - VmRSS before``. For a put the floor is 0 (the arrays already exist); for a get the
-floor is 1.0x, because the returned arrays themselves are the payload.
+``VmHWM - VmRSS before``. For a put the floor is 0 (the arrays already exist); for a get it is
+1.0x when the returned arrays are a new copy (memory:// hands out views: 0).
 """
 
 from __future__ import annotations
