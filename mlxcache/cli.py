@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxcache.backends.base import CacheBackend
+from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS
 from mlxcache.options import parse_size
 from mlxcache.progress import Progress
 from mlxcache.uri import open_backend
@@ -168,7 +169,7 @@ def cmd_copy(args: argparse.Namespace) -> None:
         print(f"copied {copied} of {len(keys)} entries")
 
 
-def cmd_verify(args: argparse.Namespace) -> None:
+def cmd_verify(args: argparse.Namespace) -> int:
     """Read every record (the backends verify each checksum) and report the bad ones."""
     bad: list[str] = []
     with _open(args.uri) as backend:
@@ -185,16 +186,16 @@ def cmd_verify(args: argparse.Namespace) -> None:
         print(f"checked {len(keys)} entries, {len(bad)} bad")
         for key in bad:
             print(f"bad: {key}")
-    if bad:
-        raise SystemExit(1)
+    return 1 if bad else 0
 
 
-def cmd_demo(args: argparse.Namespace) -> None:
+def cmd_demo(args: argparse.Namespace) -> int:
     from mlxcache.demo import run_demo
 
-    code = run_demo(args.cache)
-    if code:
-        raise SystemExit(code)
+    if args.prompt_tokens < 64 or args.max_tokens < 1:
+        raise CLIError("--prompt-tokens must be >= 64 and --max-tokens >= 1")
+
+    return run_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -212,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="cache URI (default: $MLXCACHE_URL or file://~/.cache/mlxcache)",
     )
+    sp.add_argument(
+        "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="prompt length"
+    )
+    sp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate")
     sp = add("stats", cmd_stats, "print a backend's stats")
     sp.add_argument("uri")
     sp.add_argument("--json", action="store_true", help="one JSON object")
@@ -249,14 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="mlxcache: %(levelname)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
-        args.func(args)
+        return args.func(args) or 0
     except CLIError as exc:
         print(f"mlxcache: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("mlxcache: interrupted", file=sys.stderr)
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -107,10 +107,8 @@ def test_verify_reports_a_corrupt_record(capsys, cache_uri, tmp_path):
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(SystemExit) as exc:
-        run(capsys, "verify", cache_uri)
-    out, _ = capsys.readouterr()
-    assert exc.value.code == 1 and "1 bad" in out
+    code, out, _ = run(capsys, "verify", cache_uri)
+    assert code == 1 and "1 bad" in out
 
 
 @pytest.mark.parametrize(
@@ -135,3 +133,20 @@ def test_errors_are_one_line_and_exit_1(argv, message):
 def test_console_script_is_declared():
     text = (Path(__file__).parents[1] / "pyproject.toml").read_text()
     assert 'mlxcache = "mlxcache.cli:main"' in text
+
+
+def test_demo_subcommand_runs_cold_then_warm_in_a_new_process(capsys, tmp_path):
+    uri = f"file://{tmp_path / 'demo'}"
+    code, out, _ = run(capsys, "demo", "--cache", uri, "--prompt-tokens", "96", "--max-tokens", "2")
+    assert code == 0
+    assert "same again" in out and "matches cold" in out and "matches uncached" in out
+    with mlxcache.open_backend(uri) as b:
+        assert len(b) == 0  # the demo removes its own entries
+
+
+def test_demo_errors(capsys):
+    code, _, err = run(capsys, "demo", "--prompt-tokens", "8")
+    assert code == 1 and "--prompt-tokens must be >= 64" in err
+    assert (
+        run(capsys, "demo", "--cache", "memory://")[0] == 2
+    )  # one process cannot show warm starts
