@@ -539,6 +539,29 @@ def test_open_keeps_live_writers_files_and_removes_dead_ones(tmp_path):
         live.wait()
 
 
+def test_cleanup_at_open_touches_only_files_it_wrote(tmp_path):
+    """A folder that already holds other files (file://~, a project dir) loses none of them."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    foreign = [
+        tmp_path / "tmp" / "notes.txt",
+        tmp_path / "tmp" / f"{dead.pid}-report.tmp",
+        tmp_path / "data" / "photos" / "cat.jpg",
+        tmp_path / "data" / "ab" / "readme.safetensors",
+        tmp_path / "data" / "cd" / f"{'ab' * 32}-{dead.pid}-aa.safetensors",  # wrong folder
+        tmp_path / "quarantine" / "evidence.txt",
+    ]
+    ours = tmp_path / "data" / "ab" / f"{'ab' * 32}-{dead.pid}-aa.safetensors"
+    old = time.time() - 30 * 86400
+    for path in [*foreign, ours]:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"precious")
+        os.utime(path, (old, old))
+    DiskBackend(tmp_path)
+    assert [p for p in foreign if not p.exists()] == []
+    assert not ours.exists()
+
+
 @pytest.mark.parametrize("race", ["re-put", "delete"])
 def test_entry_replaced_or_deleted_while_being_read_is_no_error(tmp_path, monkeypatch, race):
     reader, writer = DiskBackend(tmp_path), DiskBackend(tmp_path)

@@ -1,4 +1,4 @@
-"""File primitives of the disk backend: create-and-fsync, durable renames, writer-tagged names."""
+"""File primitives of the disk backend: create-and-fsync, durable renames, writer liveness."""
 
 from __future__ import annotations
 
@@ -52,12 +52,3 @@ def pid_alive(pid: int) -> bool:
     except OSError:  # EPERM: alive, owned by someone else
         return True
     return True
-
-
-def pid_in(name: str, field: int) -> int | None:
-    """The writer pid embedded in a temp name (field 0) or data name (field 1)."""
-    parts = name.split("-")
-    try:
-        return int(parts[field])
-    except (IndexError, ValueError):
-        return None
