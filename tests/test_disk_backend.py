@@ -346,6 +346,45 @@ def test_index_errors_are_misses_and_no_ops(tmp_path):
     assert b.stats()["errors"] == 4
 
 
+def test_unusable_folder_is_a_clear_error_at_open(tmp_path, monkeypatch):
+    """The default folder under an unusable HOME fails at open, naming the folder and the fix."""
+    (tmp_path / "file").write_bytes(b"")
+    monkeypatch.setenv("HOME", str(tmp_path / "file" / "home"))
+    monkeypatch.delenv("MLXCACHE_URL", raising=False)
+    with pytest.raises(OSError, match=r"\.cache/mlxcache.*MLXCACHE_URL"):
+        mlxcache.open_backend()
+
+    def refuse(*args, **kwargs):
+        raise sqlite3.OperationalError("unable to open database file")
+
+    monkeypatch.setattr(sqlite3, "connect", refuse)  # e.g. a read-only folder
+    with pytest.raises(OSError, match=f"{tmp_path / 'ro'}.*unable to open database file"):
+        DiskBackend(tmp_path / "ro")
+
+
+def test_folder_removed_under_a_running_backend_is_misses_and_no_ops(tmp_path):
+    import shutil
+
+    b = DiskBackend(tmp_path / "c")
+    b.put("a", rec(3))
+    shutil.rmtree(tmp_path / "c")
+    results = []
+
+    def use() -> None:
+        b.put("b", rec(3))
+        results.append((b.get("a"), "a" in b, b.get_many(["a", "b"]), b.delete("b")))
+        list(b.keys()), len(b), b.stats(), b.header("a"), b.clear()
+
+    use()  # this thread's open connection
+    t = threading.Thread(target=use)  # a new connection to a missing index
+    t.start()
+    t.join()
+    assert results == [(None, False, [None, None], False)] * 2
+    assert b.stats()["errors"] >= 4
+    b.close()
+    b.close()
+
+
 def test_unreadable_index_is_set_aside(tmp_path, caplog):
     (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
     b = DiskBackend(tmp_path)

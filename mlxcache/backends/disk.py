@@ -96,6 +96,8 @@ class DiskBackend(BackendBase):
     Many threads and processes may share one folder: ``max_bytes`` caps their common total.
     ``max_bytes=None`` is unbounded; opening with a smaller budget evicts down to it at once.
     ``timeout`` is how long (seconds) to wait for the index lock before giving up (a miss).
+    A folder that cannot be created or whose index cannot be opened raises ``OSError`` here;
+    once open, every store failure is a miss or a no-op.
     """
 
     def __init__(
@@ -112,13 +114,22 @@ class DiskBackend(BackendBase):
         self._tmp = self.root / "tmp"
         self._quarantine = self.root / "quarantine"
         self._index = self.root / "index.sqlite"
-        for d in (self.root, self._data, self._tmp, self._quarantine):
-            d.mkdir(parents=True, exist_ok=True)
         self._counters = Counters()
         self._rlog = RateLimitedLog()
         self._conns_lock = threading.Lock()
         self._reset_connections()
-        self._open_index()
+        try:
+            for d in (self.root, self._data, self._tmp, self._quarantine):
+                d.mkdir(parents=True, exist_ok=True)
+            self._open_index()
+        except (OSError, sqlite3.Error) as exc:
+            self.close()
+            msg = (
+                f"file cache: cannot use {self.root} as a cache folder ({exc}); point "
+                "$MLXCACHE_URL at a writable folder (file:///path) or use memory://"
+            )
+            errno_ = getattr(exc, "errno", None)
+            raise (OSError(errno_, msg) if errno_ else OSError(msg)) from exc
         self._sweep()
         if max_bytes is not None:
             try:
