@@ -29,6 +29,8 @@ class Record:
         for name, value in self.arrays.items():
             if not isinstance(name, str):
                 raise TypeError(f"Record.arrays keys must be str, got {name!r}")
+            if name == "__metadata__":  # the safetensors header's own entry
+                raise ValueError("Record.arrays name '__metadata__' is reserved")
             if not isinstance(value, mx.array):
                 raise TypeError(
                     f"Record.arrays[{name!r}] must be an mx.array, got {type(value).__name__}"

@@ -1,5 +1,6 @@
 """The record format: byte-exact round trips of every dtype, checks that catch corruption."""
 
+import base64
 import json
 import struct
 
@@ -114,3 +115,64 @@ def test_bad_records_are_refused_before_writing():
         Record({}, {"obj": object()})
     with pytest.raises(TypeError, match="keys must be str"):
         Record({1: mx.zeros(1)}, {})
+    with pytest.raises(ValueError, match="reserved"):
+        Record({"__metadata__": mx.zeros(1)}, {})  # would overwrite the header's own entry
+
+
+def split(blob: bytes, size: int, kind=bytes) -> list:
+    return [kind(blob[i : i + size]) for i in range(0, len(blob), size)]
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 13, 64, 100, 1000, 10**9])
+def test_from_buffers_is_bit_exact_for_any_split(size):
+    """Tensors straddling chunk boundaries, a header straddling them, one-byte chunks."""
+    record = sample_record()
+    blob = st.to_bytes(record)
+    for kind in (bytes, memoryview, bytearray):
+        assert_same(st.from_buffers(split(blob, size, kind)), record)
+    # empty buffers anywhere change nothing
+    parts = split(blob, size)
+    assert_same(st.from_buffers([b"", *[x for p in parts for x in (p, b"")]]), record)
+
+
+def test_from_buffers_views_whole_chunks_and_copies_only_straddlers(monkeypatch):
+    record = Record({"a": mx.arange(64, dtype=mx.int32), "b": mx.arange(64, dtype=mx.int32)}, {})
+    blob = st.to_bytes(record)
+    head = len(blob) - 512
+    chunks = [blob[: head + 256 + 8], blob[head + 256 + 8 :]]  # "b" straddles, "a" does not
+    seen = []
+    real = st._array_from_buffer
+    monkeypatch.setattr(st, "_array_from_buffer", lambda t, buf: seen.append(buf) or real(t, buf))
+    assert_same(st.from_buffers(chunks), record)
+    assert [type(b) for b in seen] == [memoryview, bytes]
+    assert seen[0].obj is chunks[0]  # a view of the chunk, not a copy
+
+
+def test_from_buffers_detects_a_corrupt_or_missing_chunk():
+    blob = st.to_bytes(sample_record())
+    for size in (8, 100):
+        parts = split(blob, size, bytearray)
+        parts[-2][0] ^= 0x40
+        with pytest.raises(FormatError, match="checksum"):
+            st.from_buffers(parts)
+        parts = split(blob, size)
+        for bad in (parts[:-1], parts[1:], [*parts[:3], *parts[4:]]):
+            with pytest.raises(FormatError):
+                st.from_buffers(bad)
+    with pytest.raises(FormatError):
+        st.from_buffers([])
+
+
+def test_foreign_shapes_are_format_errors_even_with_a_matching_checksum():
+    """Someone else's writer computed a valid checksum; a bad shape is still a FormatError."""
+    blob = st.to_bytes(Record({"x": mx.zeros((2,), dtype=mx.uint8)}, {}))
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    meta_bytes = base64.b64decode(header["__metadata__"]["meta"])
+    for shape in ([-1, -2], [2.0], ["2"], [True, 2]):
+        header["x"]["shape"] = shape
+        table = [st.TensorInfo("x", "U8", tuple(shape), 0, 2)]
+        header["__metadata__"]["checksum"] = st._checksum(meta_bytes, table, iter([blob[-2:]]))
+        text = json.dumps(header).encode()
+        with pytest.raises(FormatError):
+            st.from_bytes(struct.pack("<Q", len(text)) + text + blob[-2:])

@@ -10,10 +10,12 @@ to disk or Redis straight from their buffers (bf16 included) and every read is v
 from __future__ import annotations
 
 import base64
+import bisect
 import json
+import math
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -179,11 +181,10 @@ def parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> H
         tensors = []
         for name, spec in header.items():
             begin, end = (int(x) for x in spec["data_offsets"])
-            tensors.append(
-                TensorInfo(
-                    name, str(spec["dtype"]), tuple(int(d) for d in spec["shape"]), begin, end
-                )
-            )
+            shape = tuple(spec["shape"])
+            if not all(type(d) is int and d >= 0 for d in shape):
+                raise FormatError(f"tensor {name!r} has a bad shape {spec['shape']!r}")
+            tensors.append(TensorInfo(name, str(spec["dtype"]), shape, begin, end))
     except FormatError:
         raise
     except Exception as exc:  # any malformed JSON/base64/msgpack/field is foreign data
@@ -194,7 +195,7 @@ def parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> H
         if t.dtype not in _BY_NAME:
             raise FormatError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
         itemsize = np.dtype(_BY_NAME[t.dtype][1]).itemsize
-        if t.begin != expected or t.end - t.begin != itemsize * int(np.prod(t.shape)):
+        if t.begin != expected or t.end - t.begin != itemsize * math.prod(t.shape):
             raise FormatError(f"tensor {t.name!r} has inconsistent offsets")
         expected = t.end
     data_offset = 8 + n
@@ -205,10 +206,10 @@ def parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> H
     return Header(version, meta, tuple(tensors), checksum, data_offset, expected, meta_bytes)
 
 
-def _array_from_buffer(t: TensorInfo, data: memoryview) -> mx.array:
+def _array_from_buffer(t: TensorInfo, buf: memoryview | bytes) -> mx.array:
+    """The tensor from exactly its bytes; ``mx.array`` copies, so it never aliases ``buf``."""
     dtype, carrier = _BY_NAME[t.dtype]
-    flat = np.frombuffer(data[t.begin : t.end], dtype=carrier)
-    a = mx.array(flat.reshape(t.shape))  # mx.array copies: the result never aliases `data`
+    a = mx.array(np.frombuffer(buf, dtype=carrier).reshape(t.shape))
     return a.view(dtype) if t.dtype in _VIEWED else a
 
 
@@ -218,15 +219,62 @@ def _verify(header: Header, buffers: Iterator[memoryview]) -> None:
         raise FormatError("checksum mismatch: the record is corrupt")
 
 
-def from_bytes(blob: bytes | bytearray | memoryview) -> Record:
-    """Decode and verify a blob written by :func:`to_bytes`."""
-    view = memoryview(blob).cast("B")
-    header = parse_header(view, total_size=len(view))
-    data = view[header.data_offset :]
-    _verify(header, (data[t.begin : t.end] for t in header.tensors))
-    arrays = {t.name: _array_from_buffer(t, data) for t in header.tensors}
+class _Chunks:
+    """Byte ranges of a blob held as consecutive buffers, read without joining them."""
+
+    def __init__(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
+        self.views = [memoryview(c).cast("B") for c in chunks]
+        self.starts: list[int] = []
+        self.size = 0
+        for v in self.views:
+            self.starts.append(self.size)
+            self.size += len(v)
+
+    def pieces(self, lo: int, hi: int) -> Iterator[memoryview]:
+        """Zero-copy views covering ``[lo, hi)``, in order."""
+        i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
+        while lo < hi and i < len(self.views):
+            start = self.starts[i]
+            end = min(hi, start + len(self.views[i]))
+            if end > lo:
+                yield self.views[i][lo - start : end - start]
+                lo = end
+            i += 1
+
+    def span(self, lo: int, hi: int) -> memoryview | bytes:
+        """``[lo, hi)`` as one buffer: a view inside one chunk, a copy only across a boundary."""
+        parts = list(self.pieces(lo, hi))
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
+
+
+def from_buffers(chunks: Sequence[bytes | bytearray | memoryview]) -> Record:
+    """Decode and verify a blob given as consecutive buffers (e.g. Redis chunks), unjoined.
+
+    The checksum streams over the buffers; each tensor is built from a view of the buffer that
+    holds it, and only a tensor (or header) that straddles a boundary is copied to join it.
+    """
+    blob = _Chunks(chunks)
+    if blob.size < 8:
+        raise FormatError("too short for a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(blob.span(0, 8)))
+    if n > MAX_HEADER_BYTES or blob.size < 8 + n:
+        raise FormatError(f"header length {n} does not fit the data")
+    header = parse_header(blob.span(0, 8 + n), total_size=blob.size)
+    base = header.data_offset
+    _verify(header, (p for t in header.tensors for p in blob.pieces(base + t.begin, base + t.end)))
+    arrays = {
+        t.name: _array_from_buffer(t, blob.span(base + t.begin, base + t.end))
+        for t in header.tensors
+    }
     mx.eval(list(arrays.values()))
     return Record(arrays=arrays, meta=header.meta)
+
+
+def from_bytes(blob: bytes | bytearray | memoryview) -> Record:
+    """Decode and verify a blob written by :func:`to_bytes`."""
+    return from_buffers([blob])
 
 
 def read_header(path: str | os.PathLike) -> Header:
@@ -289,6 +337,7 @@ __all__ = [
     "TensorInfo",
     "describe",
     "encode",
+    "from_buffers",
     "from_bytes",
     "parse_header",
     "read_file",
