@@ -170,6 +170,63 @@ def test_chunked_round_trip(redis_url):
     assert_same(rec, b.get_many(["big"])[0])
 
 
+@pytest.mark.parametrize("chunk_size", [7, 100, 4096])
+def test_chunked_values_are_decoded_without_joining(redis_url, monkeypatch, chunk_size):
+    """Header and tensors straddle chunk boundaries; nothing joins the whole value."""
+    b = mlxcache.open_backend(redis_url, chunk_size=chunk_size)
+    rec = sample_record()
+    b.put("big", rec)
+    joined = []
+    monkeypatch.setattr(st, "from_bytes", lambda blob: joined.append(blob))
+    assert_same(rec, b.get("big"))
+    assert_same(rec, b.get_many(["x", "big"])[1])
+    assert joined == [] and b.stats()["errors"] == 0
+
+
+def test_lost_chunk_is_a_miss_counted_and_dropped(redis_url, caplog):
+    """A chunk evicted by Redis' maxmemory (or deleted by hand) must not leave a dead entry."""
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    r = raw(redis_url)
+    b.put("big", blob_record(5000))
+    b.put("other", blob_record(5000, 1))
+    r.delete(sorted(r.scan_iter(match="mlxcache:c:*"))[0])
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        hits = [x is not None for x in b.get_many(["big", "other"])]
+    assert sum(hits) == 1 and b.stats()["errors"] == 1 and "missing" in caplog.text
+    assert len(b) == 1 and len(list(b.keys())) == 1
+    assert b.stats()["bytes"] == stored_size(blob_record(5000))
+    survivor = -(-stored_size(blob_record(5000)) // 1024)  # the lost value's chunks are gone
+    assert len(list(r.scan_iter(match="mlxcache:c:*"))) == survivor
+
+
+def test_corrupt_chunk_is_a_miss_and_dropped(redis_url):
+    b = mlxcache.open_backend(redis_url, chunk_size=1024)
+    r = raw(redis_url)
+    b.put("big", blob_record(5000))
+    chunk = sorted(r.scan_iter(match="mlxcache:c:*"))[2]
+    r.setrange(chunk, 10, b"\xff\x00")
+    assert b.get("big") is None and b.stats()["errors"] == 1
+    assert len(b) == 0 and list(r.scan_iter(match="mlxcache:*")) != []  # index keys only
+    assert list(r.scan_iter(match="mlxcache:[vc]:*")) == []
+
+
+def test_foreign_value_with_a_valid_checksum_is_a_miss(redis_url):
+    """A bad shape behind a correct checksum (another writer) is a miss, never an exception."""
+    import base64
+
+    b = mlxcache.open_backend(redis_url)
+    blob = st.to_bytes(Record({"x": mx.zeros((2,), dtype=mx.uint8)}, {}))
+    (n,) = st.struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    header["x"]["shape"] = [-1, -2]
+    meta = base64.b64decode(header["__metadata__"]["meta"])
+    table = [st.TensorInfo("x", "U8", (-1, -2), 0, 2)]
+    header["__metadata__"]["checksum"] = st._checksum(meta, table, iter([blob[-2:]]))
+    text = json.dumps(header).encode()
+    raw(redis_url).set("mlxcache:v:f", st.struct.pack("<Q", len(text)) + text + blob[-2:])
+    assert b.get("f") is None and b.stats()["errors"] == 1
+
+
 def test_concurrent_reader_never_sees_a_mix(redis_url):
     b = mlxcache.open_backend(redis_url, chunk_size=1024)
     a_rec, b_rec = blob_record(10_000, 1), blob_record(10_000, 2)

@@ -63,6 +63,10 @@ _PACKER = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
 _UNREACHABLE = (redis.ConnectionError, redis.TimeoutError, OSError)
 _FAILURES = (RedisError, OSError)
 
+# What a read found for one key: nothing, a whole value, the chunks of a large one (decoded
+# without joining them), or the reason a chunked value is unreadable.
+Value = bytes | list[bytes] | FormatError | None
+
 
 def glob_escape(text: str) -> str:
     """Escape Redis MATCH wildcards so ``text`` matches only itself."""
@@ -275,14 +279,14 @@ class RedisBackend(BackendBase):
         self._counters.add("misses", n - hits)
         return out
 
-    def _fetch(self, keys: list[str]) -> list[bytes | None]:
+    def _fetch(self, keys: list[str]) -> list[Value]:
         pipe = self.client.pipeline(transaction=False)
         for k in keys:
             vkey = self._vkey(k)
             pipe.get(vkey)
             self._eval(pipe, "touch", [*self._index, vkey], [k])
         replies = pipe.execute(raise_on_error=False)
-        values = replies[0::2]
+        values: list[Value] = replies[0::2]
         for r in values:
             if isinstance(r, Exception):
                 raise r
@@ -298,36 +302,41 @@ class RedisBackend(BackendBase):
                 else:
                     pipe.echo(b"")  # keeps replies aligned; _decode reports the bad manifest
             for i, m, chunks in zip(manifests, parsed, pipe.execute(), strict=True):
-                values[i] = self._join(m, chunks) if m else values[i]
-                if values[i] is None:  # replaced under us: read it again, once
-                    values[i] = self._read_again(keys[i])
+                if m:
+                    seen, values[i] = values[i], _complete(m, chunks)
+                    if values[i] is None:  # replaced under us, or chunks lost: read it again
+                        values[i] = self._read_again(keys[i], seen)
         return values
 
     def _chunk_keys(self, m: dict[str, Any]) -> list[str]:
         return [self._ckey(m["gen"], i) for i in range(m["n"])]
 
-    def _join(self, m: dict[str, Any], chunks: list[bytes | None]) -> bytes | None:
-        if any(c is None for c in chunks):
-            return None
-        blob = b"".join(chunks)
-        return blob if len(blob) == m["size"] else None
-
-    def _read_again(self, key: str) -> bytes | None:
+    def _read_again(self, key: str, seen: bytes) -> Value:
+        """Read a chunked value once more; the same manifest with chunks still missing is lost."""
         value = self.client.get(self._vkey(key))
         if value is None or not _is_manifest(value):
             return value
         m = _parse_manifest(value)
         if m is None:
             return value  # let _decode report it
-        return self._join(m, self.client.mget(self._chunk_keys(m)))
+        chunks = _complete(m, self.client.mget(self._chunk_keys(m)))
+        if chunks is None and value == seen:  # evicted by Redis' maxmemory, deleted by hand...
+            return FormatError("chunks of a large value are missing")
+        return chunks
 
-    def _decode(self, key: str, blob: bytes | None) -> Record | None:
-        if blob is None:
+    def _decode(self, key: str, value: Value) -> Record | None:
+        if value is None:
             return None
         try:
-            return st.from_bytes(blob)
+            if isinstance(value, FormatError):
+                raise value
+            return st.from_buffers(value if isinstance(value, list) else [value])
         except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
             self._log.warning("version", "redis cache: skipping %r: %s", key, exc)
+            return None
+        except MemoryError:
+            self._counters.add("errors")
+            self._log.warning("memory", "redis cache: out of memory decoding %r", key)
             return None
         except FormatError as exc:
             self._counters.add("errors")
@@ -457,6 +466,13 @@ class RedisBackend(BackendBase):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.url!r}, prefix={self.prefix!r})"
+
+
+def _complete(m: dict[str, Any], chunks: list[bytes | None]) -> list[bytes] | None:
+    """The chunks of a manifest if all are there and add up to its size, else None."""
+    if any(c is None for c in chunks) or sum(len(c) for c in chunks) != m["size"]:
+        return None
+    return chunks  # type: ignore[return-value]
 
 
 def _is_manifest(value: bytes) -> bool:
