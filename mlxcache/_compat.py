@@ -43,8 +43,13 @@ def is_persistent(backend: CacheBackend) -> bool:
 
 
 def is_cache_object(obj: Any) -> bool:
-    """An mlx-vlm or mlx-lm cache object (a class from their ``models.cache`` modules)."""
-    return type(obj).__module__.startswith(_CACHE_MODULES) and hasattr(obj, "state")
+    """An mlx-vlm or mlx-lm cache object (a class from their ``models.cache`` modules).
+
+    Looks at the class: the ``state`` property of an empty ``QuantizedKVCache`` or
+    ``ChunkedKVCache`` raises, so ``hasattr(obj, "state")`` would misjudge fresh caches.
+    """
+    cls = type(obj)
+    return cls.__module__.startswith(_CACHE_MODULES) and hasattr(cls, "state")
 
 
 def is_mlx(obj: Any) -> bool:
@@ -160,8 +165,15 @@ class Missing(LookupError):
     """A live object the record points to is gone (another manager's memory)."""
 
 
-def unpack(name: str, desc: dict[str, Any], record: Record, live: dict[str, Any] | None) -> Any:
-    """Rebuild a payload from its descriptor; fresh objects except for live ones."""
+def unpack(
+    name: str,
+    desc: dict[str, Any],
+    record: Record,
+    live: dict[str, Any] | None,
+    *,
+    copy_live: bool = False,
+) -> Any:
+    """Rebuild a payload from its descriptor; fresh objects, live ones too with ``copy_live``."""
     kind = desc["k"]
     if kind == "none":
         return None
@@ -178,7 +190,7 @@ def unpack(name: str, desc: dict[str, Any], record: Record, live: dict[str, Any]
     if kind == "live":
         if live is None or name not in live:
             raise Missing(name)
-        return live[name]
+        return _copied(live[name]) if copy_live else live[name]
     raise ValueError(f"unknown payload kind {kind!r}")
 
 

@@ -148,6 +148,19 @@ def compute_images_hash(images: list[str]) -> str:
 _Best = tuple[MLLMPrefixCacheEntry, int, str]  # entry, matched tokens, its key
 
 
+def _valid_item(item: Any, key_prefix: str) -> bool:
+    """Whether an index line has the fields lookups read, with the right types."""
+    return (
+        isinstance(item, dict)
+        and isinstance(item.get("key"), str)
+        and item["key"].startswith(key_prefix)
+        and isinstance(item.get("tokens"), bytes)
+        and len(item["tokens"]) % 8 == 0
+        and isinstance(item.get("bytes", 0), int)
+        and isinstance(item.get("time", 0.0), int | float)
+    )
+
+
 def _group(images: Sequence[Any] | None) -> str:
     """Full-width ordered digest of the images: the part of every key they decide."""
     return images_digest(list(images or ())).hex()
@@ -191,10 +204,14 @@ class MLLMPrefixCacheManager:
         return group, f"{ENTRY_PREFIX}{group}.{_prompt_digest(prompt)}"
 
     def _read_index(self, group: str) -> list[dict[str, Any]]:
+        """The index lines of one image group; damaged or foreign lines are left out."""
         rec = self._backend.get(INDEX_PREFIX + group)
         if rec is None or rec.meta.get("v") != _VERSION:
             return []
-        return list(rec.meta.get("entries", []))
+        items = rec.meta.get("entries")
+        if not isinstance(items, list):
+            return []
+        return [i for i in items if _valid_item(i, f"{ENTRY_PREFIX}{group}.")]
 
     def _write_index(self, group: str, items: list[dict[str, Any]]) -> None:
         if items:
@@ -206,11 +223,27 @@ class MLLMPrefixCacheManager:
         items = [i for i in self._read_index(group) if i["key"] != item["key"]]
         self._write_index(group, [*items, item])
 
-    def _index_remove(self, group: str, key: str) -> None:
+    def _index_remove(self, group: str, *keys: str) -> None:
         items = self._read_index(group)
-        kept = [i for i in items if i["key"] != key]
+        kept = [i for i in items if i["key"] not in keys]
         if len(kept) != len(items):
             self._write_index(group, kept)
+
+    def _forget_gone(self) -> None:
+        """Drop from the LRU and the index the entries the backend no longer has.
+
+        Another process, or the backend's own ``max_bytes``, may have removed them; counting
+        them would evict live entries for bytes that are not there. One ``contains_many``.
+        """
+        keys = list(self._lru.items)
+        gone: dict[str, list[str]] = {}
+        for key, present in zip(keys, self._backend.contains_many(keys), strict=True):
+            if not present:
+                slot = self._lru.pop(key)
+                self._live.pop(key, None)
+                gone.setdefault(slot.group if slot else "", []).append(key)
+        for group, lost in gone.items():
+            self._index_remove(group, *lost)
 
     def _warm_start(self) -> None:
         """Learn the entries already in a shared backend from the index records (no tensors)."""
@@ -236,6 +269,9 @@ class MLLMPrefixCacheManager:
             try:
                 entry = self._entry(rec, self._live.get(key))
             except _compat.Missing:
+                entry = None
+            except Exception as exc:  # a damaged or foreign record under our key: a miss
+                logger.warning("MLLM cache: unreadable entry %s: %s", key[:40], exc)
                 entry = None
         if entry is None:
             slot = self._lru.pop(key)
@@ -271,8 +307,13 @@ class MLLMPrefixCacheManager:
             model_name=m["model_name"],
         )
 
+    def _over(self) -> bool:
+        return len(self._lru) > self.max_size or self._lru.nbytes > self.max_memory
+
     def _evict(self) -> None:
-        while len(self._lru) > self.max_size or self._lru.nbytes > self.max_memory:
+        if self._over():
+            self._forget_gone()
+        while self._over():
             oldest = self._lru.oldest()
             if oldest is None:
                 break
@@ -317,7 +358,7 @@ class MLLMPrefixCacheManager:
                 best = (exact, n, key)
             if tokens is not None:
                 index = self._read_index(group)
-                best = self._best_prefix(index, key, tokens, best)
+                best = self._best_prefix(group, index, key, tokens, best)
             if best is not None:
                 entry, n, hit_key = best
                 self.stats.hits += 1
@@ -347,6 +388,7 @@ class MLLMPrefixCacheManager:
 
     def _best_prefix(
         self,
+        group: str,
         index: list[dict[str, Any]],
         exact_key: str,
         tokens: np.ndarray,
@@ -361,15 +403,19 @@ class MLLMPrefixCacheManager:
             if n > 0:
                 candidates.append((n, item["key"]))
         candidates.sort(reverse=True)
+        gone = []
         for n, key in candidates:
             if best is not None and n <= best[1]:
                 break
             entry = self._load(key)
             if entry is None:
+                gone.append(key)
                 continue
             real = entry.get_prefix_match_length(tokens)  # the index may be stale: verify
             if real > 0 and (best is None or real > best[1]):
                 best = (entry, real, key)
+        if gone:
+            self._index_remove(group, *gone)
         return best
 
     def _vision_only(
@@ -378,12 +424,19 @@ class MLLMPrefixCacheManager:
         """The newest entry of these images that has vision embeddings (index, not a scan)."""
         if index is None:
             index = self._read_index(group)
+        gone = []
+        found = None
         for item in reversed(index):
             if item.get("vision"):
                 entry = self._load(item["key"])
-                if entry is not None and entry.vision_embeddings is not None:
-                    return entry
-        return None
+                if entry is None:
+                    gone.append(item["key"])
+                elif entry.vision_embeddings is not None:
+                    found = entry
+                    break
+        if gone:
+            self._index_remove(group, *gone)
+        return found
 
     def fetch_cache(
         self,
@@ -461,6 +514,12 @@ class MLLMPrefixCacheManager:
         }
         with self._lock:
             self._backend.put(key, record)
+            if key not in self._backend:  # unreachable, or over the backend's own max_bytes
+                logger.warning("MLLM cache: the backend did not keep %s", key[:40])
+                self._lru.pop(key)
+                self._live.pop(key, None)
+                self._index_remove(group, key)
+                return
             if packer.live:
                 self._live[key] = packer.live
             else:

@@ -182,6 +182,9 @@ class VisionEmbeddingCache:
                 entry = self._entry(kind, rec, self._live.get(key))
             except _compat.Missing:
                 entry = None
+            except Exception as exc:  # a damaged or foreign record under our key: a miss
+                logger.warning("vision cache: unreadable entry %s: %s", key[:40], exc)
+                entry = None
         lru = self._lru[kind]
         if entry is None:
             lru.pop(key)
@@ -197,11 +200,14 @@ class VisionEmbeddingCache:
     @staticmethod
     def _entry(kind: str, rec: Record, live: dict[str, Any] | None) -> Any:
         m = rec.meta
-        values = {f: _compat.unpack(f, m["fields"][f], rec, live) for f in _FIELDS[kind]}
+        values = {
+            f: _compat.unpack(f, m["fields"][f], rec, live, copy_live=True) for f in _FIELDS[kind]
+        }
         values.update({s: m[s] for s in _SCALARS[kind]})
         if kind == _PIXEL:
             values["extra_kwargs"] = {
-                k: _compat.unpack(f"x/{k}", d, rec, live) for k, d in m["extra"].items()
+                k: _compat.unpack(f"x/{k}", d, rec, live, copy_live=True)
+                for k, d in m["extra"].items()
             }
         return _CLASSES[kind](**values)
 
@@ -230,6 +236,11 @@ class VisionEmbeddingCache:
             return False
         with self._lock:
             self._backend.put(key, record)
+            if key not in self._backend:  # unreachable, or over the backend's own max_bytes
+                logger.warning("vision cache: the backend did not keep %s", key[:40])
+                self._lru[kind].pop(key)
+                self._live.pop(key, None)
+                return False
             if packer.live:
                 self._live[key] = packer.live
             else:
@@ -240,6 +251,8 @@ class VisionEmbeddingCache:
 
     def _evict(self, kind: str) -> None:
         lru = self._lru[kind]
+        if len(lru) > self._limit(kind) or self._nbytes() > self.max_memory:
+            self._forget_gone()
         while len(lru) > self._limit(kind):
             self._drop(kind, lru.oldest()[0])
         while self._nbytes() > self.max_memory:
@@ -249,6 +262,16 @@ class VisionEmbeddingCache:
                 break
             _, k, key = min(heads)
             self._drop(k, key)
+
+    def _forget_gone(self) -> None:
+        """Forget entries the backend no longer has (another process or its own budget
+        removed them), so their bytes do not evict live entries. One ``contains_many``."""
+        for lru in self._lru.values():
+            keys = list(lru.items)
+            for key, present in zip(keys, self._backend.contains_many(keys), strict=True):
+                if not present:
+                    lru.pop(key)
+                    self._live.pop(key, None)
 
     def _drop(self, kind: str, key: str) -> None:
         self._lru[kind].pop(key)

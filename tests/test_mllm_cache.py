@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import mlx.core as mx
 import pytest
@@ -491,3 +492,199 @@ def test_redis_backend_shared_by_processes(redis_url):
     check_child_entry(m)
     m.clear()
     assert m.fetch_cache([b"PNG-bytes-1", b"PNG-bytes-2"], "child prompt") == (None, False)
+
+
+# ---------------------------------------------------------------- vllm-mlx's callers, ported
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_vllm_mlx_callers_run_unchanged(tmp_path, images, where):
+    """The calls of vllm-mlx's models/mllm.py (MLXMultimodalLM generate/chat/get_cache_stats/
+    clear_cache), as written there, with a real model's prompt cache."""
+    import copy
+
+    from mlx_vlm.models import cache as vlm_cache
+
+    from mlxcache.tiny_models import build_model
+
+    model = build_model("qwen2_vl")[0]
+    backend = "memory://" if where == "memory" else f"file://{tmp_path}/c"
+    cache_manager = MLLMPrefixCacheManager(max_entries=50, backend=backend)  # __init__
+
+    # generate(): fetch_cache, make_prompt_cache on a miss (empty caches), store_cache
+    all_sources = [images[0], "video:clip.mp4:fps2.0:max32"]
+    prompt_cache, cache_hit = cache_manager.fetch_cache(all_sources, "Describe")
+    assert (prompt_cache, cache_hit) == (None, False)
+    prompt_cache = vlm_cache.make_prompt_cache(model.language_model)
+    cache_manager.store_cache(all_sources, "Describe", prompt_cache, 500)  # before prefill
+    ids = mx.array([list(range(1, 13))])
+    model.language_model(ids, cache=prompt_cache)
+    mx.eval([c.state for c in prompt_cache])
+    cache_manager.store_cache(all_sources, "Describe", prompt_cache, 12)
+    cached, hit = cache_manager.fetch_cache(all_sources, "Describe")
+    assert hit and [c.offset for c in cached] == [12] * len(prompt_cache)
+    assert bits(cached) == bits(prompt_cache)
+
+    # chat(): fetch with token ids, deepcopy of a hit, store of trimmed copies
+    token_ids = list(range(1, 13))
+    cache_entry, prefix_match_len = cache_manager.fetch([images[1]], "chat", token_ids)
+    assert cache_entry is None and prefix_match_len == 0
+    prompt_tokens_count = 8
+    cache_to_store = []
+    for layer_cache in prompt_cache:
+        new_cache = copy.copy(layer_cache)
+        state = layer_cache.state
+        keys, values = mx.array(state[0]), mx.array(state[1])
+        if layer_cache.offset > prompt_tokens_count:
+            new_cache.keys = keys[:, :, :prompt_tokens_count, :]
+            new_cache.values = values[:, :, :prompt_tokens_count, :]
+            new_cache.offset = prompt_tokens_count
+        cache_to_store.append(new_cache)
+    cache_manager.store(
+        images=[images[1]],
+        prompt="chat",
+        vision_embeddings=None,
+        kv_cache=cache_to_store,
+        token_ids=token_ids[:8],
+        num_image_tokens=256,
+        model_name="tiny-qwen2-vl",
+    )
+    cache_entry, prefix_match_len = cache_manager.fetch([images[1]], "chat 2", token_ids)
+    assert prefix_match_len == 8 and cache_entry.model_name == "tiny-qwen2-vl"
+    assert cache_entry.num_text_tokens == 8 - 256  # as vllm-mlx computes it
+    assert cache_entry.vision_embeddings is None and cache_entry.kv_cache
+    restored = copy.deepcopy(cache_entry.kv_cache)
+    assert bits(restored) == bits(cache_to_store)
+
+    # get_cache_stats() / clear_cache()
+    stats = cache_manager.get_stats()
+    stats["enabled"] = True
+    stats["cache_entries"] = len(cache_manager)
+    stats["max_entries"] = cache_manager.max_size
+    assert stats["cache_entries"] == stats["entries"] == 2 and stats["max_entries"] == 50
+    assert stats["hits"] == 2 and stats["misses"] == 2 and stats["memory_used_mb"] > 0
+    cache_manager.clear()
+    assert len(cache_manager) == 0
+
+
+# ---------------------------------------------------------------- robustness
+
+
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_fresh_caches_of_every_class_are_stored_as_caches(tmp_path, where):
+    """An empty QuantizedKVCache's ``state`` raises TypeError, an empty ChunkedKVCache's
+    AttributeError: fresh caches (make_prompt_cache before a prefill) were rejected or kept
+    by reference."""
+    from cache_cases import EMPTY
+
+    from mlxcache.serializers import cache_nbytes
+
+    backend = MemoryBackend() if where == "memory" else f"file://{tmp_path}/c"
+    m = MLLMCacheManager(max_entries=100, backend=backend)
+    for name, make in EMPTY.items():
+        cache = [make()]
+        entry = MLLMPrefixCacheEntry(image_hash="", prompt_hash="", kv_cache=cache)
+        assert entry.memory_size == cache_nbytes(cache), name
+        m.store_cache(["a"], name, cache, num_tokens=3)
+        got, hit = m.fetch_cache(["a"], name)
+        assert hit and type(got[0]) is type(cache[0]) and got[0] is not cache[0], name
+
+
+def test_damaged_records_are_misses_never_exceptions(tmp_path):
+    from mlxcache.record import Record
+
+    uri = f"file://{tmp_path}/c"
+    m = MLLMCacheManager(backend=uri)
+    m.store(["a"], "p", mx.ones((2, 2)), kv(4), [1, 2, 3, 4])
+    backend = m._backend
+    (key,) = list(backend.keys("mllm.e."))
+    (ikey,) = list(backend.keys("mllm.i."))
+    backend.put(key, Record(meta={"v": 1, "other": "layout"}))
+    assert m.fetch(["a"], "p", [1, 2, 3, 4]) == (None, 0)
+    assert m.fetch(["a"], "q") == (None, 0)  # the vision-only path too
+    for entries in ([{"no": "key"}, {"key": key, "tokens": b"odd"}, 7], "not a list"):
+        backend.put(ikey, Record(meta={"v": 1, "entries": entries}))
+        assert len(MLLMCacheManager(backend=uri)) == 0  # warm start
+        assert m.fetch(["a"], "q", [1, 2, 3, 4]) == (None, 0)
+
+
+def test_index_lines_of_gone_entries_are_dropped(tmp_path):
+    m = MLLMCacheManager(backend=f"file://{tmp_path}/c")
+    m.store(["a"], "p", mx.ones((2, 2)), kv(4), [1, 2, 3, 4])
+    m.store(["a"], "q", None, kv(4, 1), [1, 2, 5, 6])
+    p_key = m._keys(["a"], "p")[1]
+    m._backend.delete(p_key)  # another process evicted it
+    group = m._keys(["a"], "p")[0]
+    entry, n = m.fetch(["a"], "r", [1, 2, 3, 4, 9])
+    assert n == 2 and entry.token_ids == [1, 2, 5, 6]  # the other entry, verified
+    assert [i["key"] for i in m._read_index(group)] == [m._keys(["a"], "q")[1]]
+
+
+def test_entries_gone_from_the_backend_do_not_evict_live_ones(tmp_path):
+    m = MLLMCacheManager(max_entries=2, backend=f"file://{tmp_path}/c")
+    m.store(["a"], "p", None, kv(4, 1), [1, 2, 3, 4])
+    m.store(["b"], "p", None, kv(4, 2), [1, 2, 3, 4])
+    m._backend.delete(m._keys(["b"], "p")[1])  # another process evicted the newer one
+    m.store(["c"], "p", None, kv(4, 3), [1, 2, 3, 4])
+    assert m.fetch_cache(["a"], "p")[1] is True  # was evicted for b's phantom bytes
+    assert len(m) == 2 and m.stats.evictions == 0
+    assert m.get_stats()["memory_used_mb"] * 2**20 == 2 * mc._compat.true_nbytes(kv(4))
+
+
+def test_entry_the_backend_refuses_is_not_counted(tmp_path, caplog):
+    m = MLLMCacheManager(backend=f"file://{tmp_path}/c?max_bytes=1000")
+    with caplog.at_level(logging.WARNING):
+        m.store(["a"], "p", None, kv(8), list(range(8)))  # 2 KiB > the folder's 1000 bytes
+    assert "did not keep" in caplog.text
+    assert len(m) == 0 and m.get_stats()["memory_used_mb"] == 0
+    assert m.fetch(["a"], "p", list(range(8))) == (None, 0)
+
+
+def test_dead_redis_is_a_miss_and_nothing_is_counted(redis_server, redis_url):
+    url = redis_url + "?timeout=0.5&backoff=0.01&max_backoff=0.02"
+    m = MLLMCacheManager(backend=url)
+    m.store(["a"], "p", mx.ones((2, 2)), kv(4), [1, 2, 3, 4])
+    redis_server.stop()
+    try:
+        m.store(["b"], "p", None, kv(4), [1, 2, 3, 4])
+        assert len(m) == 1  # only the entry stored while Redis was up
+        assert m.fetch(["a"], "p", [1, 2, 3, 4]) == (None, 0)
+        assert m.fetch(["b"], "q") == (None, 0) and m.fetch_cache(["b"], "p") == (None, False)
+        assert len(MLLMCacheManager(backend=url)) == 0
+        m.clear()
+    finally:
+        redis_server.start()
+    time.sleep(0.05)  # past the reconnect backoff
+    m.store(["b"], "p", None, kv(4), [1, 2, 3, 4])
+    assert m.fetch_cache(["b"], "p")[1] is True
+
+
+def test_threads_store_fetch_and_clear_on_a_shared_folder(tmp_path):
+    m = MLLMCacheManager(max_entries=6, backend=f"file://{tmp_path}/c")
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            for i in range(12):
+                c = KVCache()
+                x = mx.random.normal((1, 2, 4, 8))  # lazy, built on this thread
+                c.update_and_fetch(x, x)
+                m.store([f"i{(t + i) % 5}"], "p", mx.ones((2, 2)), [c], [t, i, 1, 2])
+                entry, n = m.fetch([f"i{(t + i) % 5}"], "q", [t, i, 1, 2, 3])
+                if entry is not None:
+                    mx.eval(entry.kv_cache[0].state)
+                if t == 0 and i % 5 == 2:
+                    m.clear()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    on_disk = set(m._backend.keys("mllm.e."))
+    assert set(m._lru.items) == on_disk and len(m) <= 6
+    indexed = {i["key"] for k in m._backend.keys("mllm.i.") for i in m._read_index(k[7:])}
+    assert indexed == on_disk

@@ -335,3 +335,102 @@ def test_file_backend_shared_by_processes(tmp_path):
 
 def test_redis_backend_shared_by_processes(redis_url):
     check_child(redis_url)
+
+
+# ---------------------------------------------------------------- vllm-mlx's callers, ported
+
+
+def test_mllm_batch_generator_usage_runs_unchanged():
+    """The calls of vllm-mlx's mllm_batch_generator.py, as written there."""
+    vision_cache_size = 10
+    vision_cache = VisionEmbeddingCache(
+        max_pixel_entries=vision_cache_size,
+        max_encoding_entries=vision_cache_size // 2,
+        enabled=True,
+    )
+    all_images = ["data:image/png;base64,AAAA", "data:image/png;base64,BBBB"]
+    assert vision_cache.get_pixel_cache([], "text only") is None  # text-only requests
+    assert vision_cache.get_pixel_cache(all_images, "prompt") is None
+    inputs = {
+        "input_ids": mx.array([[1, 2, 3]]),
+        "pixel_values": pixels(0.5),
+        "attention_mask": mx.ones((1, 3), dtype=mx.int32),
+        "image_grid_thw": mx.array([[1, 4, 4]]),
+        "image_sizes": [[16, 16]],
+        "second_per_grid_ts": None,
+    }
+    extra_kwargs = {
+        k: v for k, v in inputs.items() if k not in ["input_ids", "pixel_values", "attention_mask"]
+    }
+    image_grid_thw = extra_kwargs.pop("image_grid_thw", None)
+    vision_cache.set_pixel_cache(
+        images=all_images,
+        prompt="prompt",
+        pixel_values=inputs["pixel_values"],
+        input_ids=inputs["input_ids"],
+        attention_mask=inputs["attention_mask"],
+        image_grid_thw=image_grid_thw,
+        extra_kwargs=extra_kwargs,
+        processing_time=0.3,
+    )
+    extra_kwargs.clear()  # the generator releases the request's inputs after encoding
+    cached_pixels = vision_cache.get_pixel_cache(all_images, "prompt")
+    request_extra_kwargs = dict(cached_pixels.extra_kwargs)
+    assert request_extra_kwargs == {"image_sizes": [[16, 16]], "second_per_grid_ts": None}
+    assert cached_pixels.attention_mask.dtype == mx.int32
+    assert cached_pixels.image_grid_thw.tolist() == [[1, 4, 4]]
+    assert vision_cache.get_pixel_cache(all_images[::-1], "prompt") is None
+    assert vision_cache.get_stats()["pixel_cache_size"] == 1
+
+
+# ---------------------------------------------------------------- robustness
+
+
+def test_live_extra_kwargs_values_are_copied_when_returned():
+    import numpy as np
+
+    c = VisionEmbeddingCache()
+    store_pixels(c, ["a"], extra={"sizes": np.ones(3), "mixed": [mx.ones(1), 1]})
+    got = c.get_pixel_cache(["a"], "what color?").extra_kwargs
+    got["sizes"][0] = 5.0
+    got["mixed"].append(9)
+    again = c.get_pixel_cache(["a"], "what color?").extra_kwargs
+    assert again["sizes"].tolist() == [1.0, 1.0, 1.0] and len(again["mixed"]) == 2
+
+
+def test_damaged_record_is_a_miss(tmp_path):
+    from mlxcache.record import Record
+
+    c = VisionEmbeddingCache(backend=f"file://{tmp_path}/v")
+    store_pixels(c, ["a"])
+    (key,) = list(c._backend.keys("vis."))
+    c._backend.put(key, Record(meta={"v": 1, "kind": "p", "fields": {}}))
+    assert c.get_pixel_cache(["a"], "what color?") is None
+    assert c.stats.pixel_cache_misses == 1
+
+
+def test_entries_the_backend_did_not_keep_are_not_counted(tmp_path, redis_server, redis_url):
+    c = VisionEmbeddingCache(backend=f"file://{tmp_path}/v?max_bytes=1000")
+    store_pixels(c, ["a"])  # 3 KiB of pixels > the folder's 1000 bytes
+    assert c.get_stats()["pixel_cache_size"] == 0 and c.stats.total_images_processed == 0
+    r = VisionEmbeddingCache(backend=redis_url + "?timeout=0.5")
+    redis_server.stop()
+    try:
+        store_pixels(r, ["a"])
+        r.set_encoding_cache(["a"], "p", mx.ones(2), 1, mx.ones(2))
+        assert r.get_pixel_cache(["a"], "what color?") is None
+        assert r.get_encoding_cache(["a"], "p") is None
+        s = r.get_stats()
+        assert s["pixel_cache_size"] == s["encoding_cache_size"] == 0
+    finally:
+        redis_server.start()
+
+
+def test_entries_gone_from_the_backend_do_not_evict_live_ones(tmp_path):
+    c = VisionEmbeddingCache(max_pixel_entries=2, backend=f"file://{tmp_path}/v")
+    c.set_pixel_values(["a"], pixels(1.0))
+    c.set_pixel_values(["b"], pixels(2.0))
+    c._backend.delete(c._key("o", ["b"]))  # another process evicted it
+    c.set_pixel_values(["c"], pixels(3.0))
+    assert c.get_pixel_values(["a"]) is not None
+    assert c.get_stats()["pixel_only_cache_size"] == 2
