@@ -66,15 +66,18 @@ class _Plan:
         return hashing.placed_images_extra(self.digests, self.positions, start, end)
 
     def parent(self, i: int) -> bytes:
-        return self.full(i)[i - 1] if i else self.seed
+        if not i:
+            return self.seed
+        self.full(i)
+        return self._full[i - 1]
 
     def full(self, n: int) -> list[bytes]:
-        """Hashes of the first ``n`` whole blocks."""
+        """Hashes of the first ``n`` whole blocks (computed once, in one pass)."""
         bs, t = self.bs, self.tokens
         while len(self._full) < n:
-            i = len(self._full)
-            a = i * bs
-            self._full.append(hashing.chain(self.parent(i), t[a : a + bs], self.extra(a, a + bs)))
+            a = len(self._full) * bs
+            parent = self._full[-1] if self._full else self.seed
+            self._full.append(hashing.chain(parent, t[a : a + bs], self.extra(a, a + bs)))
         return self._full[:n]
 
     def partial(self, i: int, r: int) -> bytes:
@@ -136,10 +139,30 @@ class PrefixCache:
                 raise ValueError("image_positions must give one ascending start per image")
             if positions and not 0 <= positions[0] <= positions[-1] < max(len(tokens), 1):
                 raise ValueError("image_positions must lie inside token_ids")
+            if self.image_token_id is not None:
+                self._check_positions(tokens, positions)
         elif digests and self.image_token_id is not None:
             runs = hashing.image_runs(tokens, self.image_token_id)
             positions = runs if len(runs) == len(digests) else None
         return _Plan(self._seed, tokens, self.block_size, digests, positions)
+
+    def _check_positions(self, tokens: np.ndarray, positions: list[int]) -> None:
+        """Explicit positions may not start an image after its first placeholder token.
+
+        An image keys only the blocks from its position on; a later position would let the
+        placeholders before it (whose KV depends on the image) be shared with another image.
+        """
+        runs = hashing.image_runs(tokens, self.image_token_id)
+        if not runs:
+            return
+        late = positions[0] > runs[0]  # the first placeholder belongs to the first image
+        if len(runs) == len(positions):
+            late = late or any(p > r for p, r in zip(positions, runs, strict=True))
+        if late:
+            raise ValueError(
+                f"image_positions {positions} start an image after its placeholder tokens "
+                f"(runs of image_token_id start at {runs})"
+            )
 
     def _vision_key(self, plan: _Plan) -> str | None:
         if not plan.digests:
@@ -163,10 +186,11 @@ class PrefixCache:
         vision_embeddings: Any = None,
         image_positions: Sequence[int] | None = None,
     ) -> int:
-        """Store the cache of exactly ``token_ids``; returns how many new tokens were written.
+        """Store the cache of exactly ``token_ids``; returns how many new tokens the store kept.
 
-        Only blocks not yet stored are written (one ``contains_many`` first). ``extras`` (e.g.
-        ``{"rope_deltas": ...}``) are kept with this exact length.
+        Only blocks not yet stored are written (one ``contains_many`` first, one after the
+        puts to count what the backend kept: a refused or failed put counts 0). ``extras``
+        (e.g. ``{"rope_deltas": ...}``) are kept with this exact length.
         """
         tokens = _tokens(token_ids)
         images = list(images)
@@ -204,17 +228,21 @@ class PrefixCache:
             from mlxcache.serializers.prompt_cache import dump_prompt_cache
 
             vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
-        written = records = 0
+        put: list[tuple[str, int]] = []  # (key, tokens) of each record written
         for (key, i, m), there in zip(blocks, exists, strict=False):
             if not there:
                 rec = pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m)
                 self.backend.put(key, rec)
-                written, records = written + m, records + 1
+                put.append((key, m))
         for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if rec is not None:
                 self.backend.put(key, rec)
-                records += 1
-        self._count(stores=1, tokens_written=written, records_written=records)
+                put.append((key, 0))
+        # what the backend kept: a put it refused (over its budget) or lost (a dead server)
+        # does not count. One more contains_many, only when something was written.
+        kept = self.backend.contains_many([k for k, _ in put]) if put else []
+        written = sum(m for (_, m), ok in zip(put, kept, strict=True) if ok)
+        self._count(stores=1, tokens_written=written, records_written=sum(kept))
         return written
 
     # ------------------------------------------------------------ lookup
@@ -347,15 +375,15 @@ class PrefixCache:
         else:
             return None
         num, used, tail = choice
-        try:
+        try:  # a record that verified but does not rebuild (another format, forged) is a miss
             layers = pr.join_blocks(used, lay) if used else {}
             ckpt, extras = pr.read_tail(tail, lay) if tail is not None else ({}, {})
-        except (pr.RecordMismatch, ValueError, KeyError) as e:
+            layers.update(ckpt)
+            cache = [layers[j] for j in range(len(lay))]
+            mx.eval([c.state for c in cache], list(extras.values()))
+        except Exception as e:
             self._reject(e)
             return None
-        layers.update(ckpt)
-        cache = [layers[j] for j in range(len(lay))]
-        mx.eval([c.state for c in cache], list(extras.values()))
         return PrefixHit(num, cache, extras)
 
     # ------------------------------------------------------------ the rest

@@ -87,15 +87,33 @@ def block_record(
     return Record(arrays=arrays, meta=meta)
 
 
+def _layout_of(m: Mapping[str, Any]) -> list[str]:
+    lay = m.get("layout")
+    if not isinstance(lay, list) or not all(isinstance(t, str) for t in lay):
+        raise RecordMismatch("record has no layout")
+    return lay
+
+
 def check_block(
     rec: Record, start: int, tokens: bytes, lay: list[str] | None, like: Record | None
 ) -> list[str]:
-    """Verify a fetched block record against the request; returns its layout."""
+    """Verify a fetched block record against the request; returns its layout.
+
+    Also checks the record's own shape (layout, one params entry per layer), so a record of
+    another format or a forged one is a mismatch here, never an exception when restoring.
+    """
     m = rec.meta
     if m.get("kind") != "block" or m.get("start") != start or m.get("tokens") != tokens:
         raise RecordMismatch("block start or tokens differ from the request")
-    if lay is not None and m.get("layout") != lay:
+    own = _layout_of(m)
+    if lay is not None and own != lay:
         raise RecordMismatch("block layout differs from the earlier blocks")
+    params = m.get("params")
+    if not isinstance(params, list) or len(params) != len(own):
+        raise RecordMismatch("block params do not match its layout")
+    for tag, p in zip(own, params, strict=True):
+        if not (isinstance(p, dict) if tag.startswith("b:") else p is None):
+            raise RecordMismatch("block params do not match its layout")
     n = len(tokens) // 8
     for name, a in rec.arrays.items():
         if a.ndim < 2 or a.shape[-2] != n:
@@ -107,7 +125,7 @@ def check_block(
             b = like.arrays[name]
             if a.dtype != b.dtype or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]:
                 raise RecordMismatch(f"block array {name!r} has another shape or dtype")
-    return list(m.get("layout") or [])
+    return list(own)
 
 
 def join_blocks(blocks: Sequence[Record], lay: list[str]) -> dict[int, Any]:
@@ -167,9 +185,16 @@ def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -
     m = rec.meta
     if m.get("kind") != "tail" or m.get("length") != length or m.get("tokens") != tokens:
         raise RecordMismatch("tail length or tokens differ from the request")
-    if lay is not None and m.get("layout") != lay:
+    own = _layout_of(m)
+    if lay is not None and own != lay:
         raise RecordMismatch("tail layout differs from its blocks")
-    return list(m.get("layout") or [])
+    names = m.get("extras")
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise RecordMismatch("tail extras are not a list of names")
+    ckpt = m.get("ckpt")
+    if not (isinstance(ckpt, dict) if has_checkpoint(own) else ckpt is None):
+        raise RecordMismatch("tail checkpoint does not match its layout")
+    return list(own)
 
 
 def read_tail(rec: Record, lay: list[str]) -> tuple[dict[int, Any], dict[str, mx.array]]:

@@ -326,6 +326,8 @@ def test_model_identity():
     cfg["quantization"] = {"group_size": 64, "bits": 4}
     assert "/q-4b64" in model_identity(cfg)
     assert model_identity(model, hash_weights=True) != ident
+    model.set_dtype(mx.float16)  # another KV dtype: another identity
+    assert model_identity(model) != ident
     gemma, _ = build_model("gemma3")
     assert model_identity(gemma).startswith("gemma3/")
 
@@ -408,3 +410,102 @@ def test_dead_backend_is_a_miss(turn1):
     pc = PrefixCache(open_backend("redis://127.0.0.1:1/0?timeout=0.2"), model="q", block_size=BS)
     pc.store(ids, cache)
     assert pc.lookup(ids) is None
+
+
+# ---------------------------------------------------------------- review: edge cases
+
+
+def _rewrite(backend, kind, change):
+    """Rewrite the meta of every stored record of ``kind`` ("block" or "tail") with ``change``."""
+    from mlxcache import Record
+
+    for k in list(backend.keys()):
+        rec = backend.get(k)
+        if rec.meta.get("kind") == kind:
+            meta = dict(rec.meta)
+            change(meta)
+            backend.put(k, Record(arrays=dict(rec.arrays), meta=meta))
+
+
+@pytest.mark.parametrize(
+    "kind, change",
+    [
+        ("block", lambda m: m.update(params=None)),
+        ("block", lambda m: m.update(params=m["params"][:1])),
+        ("block", lambda m: m.update(params=["x"] * len(m["params"]))),
+        ("block", lambda m: m.update(layout=7)),
+        ("block", lambda m: m.update(layout=["b:mlx_vlm.NoSuchCache"] * 4)),
+        ("tail", lambda m: m.update(extras=None)),
+        ("tail", lambda m: m.update(extras=[3])),
+        ("tail", lambda m: m.update(layout="b:mlx_vlm.KVCache")),
+    ],
+)
+def test_malformed_records_are_rejected_never_raised(turn1, kind, change):
+    """A record of another format (or a forged one) under our key is a miss, not an exception."""
+    ids, cache = turn1
+    backend = MemoryBackend()
+    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    pc.store(ids, cache, extras={"rope_deltas": mx.array([[0]])})
+    _rewrite(backend, kind, change)
+    for request in (ids, ids + [5, 6]):
+        hit = pc.lookup(request)
+        if kind == "block":  # block 0 is bad: nothing to build on
+            assert hit is None
+        else:  # the blocks are fine; the bad tail only loses its extras
+            assert hit.num_tokens == 40 and hit.extras == {}
+            assert all(c.offset == 40 for c in hit.prompt_cache)
+        assert pc.lookup(request, require_extras=True) is None
+    assert pc.stats()["rejected"] >= 2
+
+
+def test_malformed_checkpoint_tail_is_a_miss(gemma):
+    ids = prompt(40, seed=30)
+    _, cache = prefill(gemma, ids)
+    backend = MemoryBackend()
+    pc = PrefixCache(backend, model="gemma", block_size=BS)
+    pc.store(ids, cache)
+    _rewrite(backend, "tail", lambda m: m.update(ckpt=None))
+    assert pc.lookup(ids) is None
+    _rewrite(backend, "tail", lambda m: m.update(ckpt={"prompt_cache": 5}))
+    assert pc.lookup(ids + [1]) is None
+    assert pc.stats()["rejected"] >= 2
+
+
+def test_image_positions_after_the_placeholders_are_refused(qwen):
+    """A position later than its image's first placeholder would let another image's KV hit."""
+    img = 999
+    ids = prompt(10, seed=31) + [img] * 16 + prompt(20, seed=32)  # the run starts at 10
+    _, cache = prefill(qwen, ids)
+    pc = PrefixCache("memory://", model="qwen", block_size=BS, image_token_id=img)
+    with pytest.raises(ValueError, match="image_positions"):
+        pc.store(ids, cache, images=[b"cat"], image_positions=[30])
+    with pytest.raises(ValueError, match="image_positions"):
+        pc.lookup(ids, images=[b"dog"], image_positions=[16])
+    assert len(pc.backend) == 0
+    # at or before the run is fine (e.g. a vision-start token), and keys the same block
+    pc.store(ids, cache, images=[b"cat"], image_positions=[9])
+    assert pc.lookup(ids, images=[b"cat"], image_positions=[9]).num_tokens == 46
+    assert pc.lookup(ids, images=[b"dog"], image_positions=[9]) is None  # block 0 holds both
+
+
+def test_store_counts_only_what_the_backend_kept(turn1):
+    ids, cache = turn1
+    # every block record is larger than this budget: the backend refuses them all
+    pc = PrefixCache("memory://?max_bytes=1000", model="qwen", block_size=BS)
+    assert pc.store(ids, cache) == 0
+    assert pc.stats()["tokens_written"] == 0 and pc.lookup(ids) is None
+    dead = open_backend("redis://127.0.0.1:1/0?timeout=0.2")
+    assert PrefixCache(dead, model="q", block_size=BS).store(ids, cache) == 0
+
+
+def test_hash_plan_of_a_long_prompt_is_linear():
+    """Block hashes of a very long prompt: one pass, not a copy of the chain per block."""
+    import time
+
+    pc = PrefixCache("memory://", model="qwen", block_size=1)
+    tokens = np.arange(60_000, dtype=np.int64)
+    t0 = time.perf_counter()
+    plan = pc._plan(tokens, [], None)
+    assert len(plan.full(60_000)) == 60_000
+    plan.partial(59_999, 1)
+    assert time.perf_counter() - t0 < 2.0  # quadratic: ~3 s here; linear: ~0.2 s
