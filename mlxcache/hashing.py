@@ -57,7 +57,8 @@ def image_digest(image: Any) -> bytes:
     - a ``data:`` URI with base64 payload, or a bare base64 string: the decoded bytes (same
       digest as the raw bytes);
     - any other ``str`` (an ``http(s)://`` URL, which is not fetched): the string itself;
-    - a PIL image: pixels plus size and mode;
+    - a PIL image: pixels plus size and mode (and palette and transparency, which give a
+      palette image its colours);
     - a NumPy or MLX array (e.g. ``pixel_values``): bytes plus shape and dtype.
     """
     if isinstance(image, bytes | bytearray | memoryview):
@@ -80,7 +81,13 @@ def image_digest(image: Any) -> bytes:
         return _array_digest(b"array", a.dtype.str, a.shape, memoryview(a).cast("B"))
     if hasattr(image, "tobytes") and hasattr(image, "mode") and hasattr(image, "size"):
         size = np.asarray(image.size, dtype=np.int64).tobytes()
-        return _h(b"pil", image.mode.encode(), size, image.tobytes())
+        # a "P"/"PA" image's pixels are palette indices: the colours are in the palette, and
+        # info["transparency"] changes what convert("RGBA") gives
+        get_palette = getattr(image, "getpalette", None)
+        palette = get_palette() if callable(get_palette) else None
+        palette_bytes = b"" if palette is None else np.asarray(palette, np.int64).tobytes()
+        transparency = repr(getattr(image, "info", {}).get("transparency")).encode()
+        return _h(b"pil", image.mode.encode(), size, image.tobytes(), palette_bytes, transparency)
     raise TypeError(
         f"cannot hash an image of type {type(image).__name__}: pass bytes, a file path, "
         "a data URI, a URL string, a PIL image or an array"

@@ -70,3 +70,17 @@ def test_digests_do_not_depend_on_pythonhashseed():
         outs.add(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                                 text=True, check=True).stdout)  # fmt: skip
     assert len(outs) == 1
+
+
+def test_palette_images_count_by_their_colours():
+    """Two "P" images with the same indices and other palettes are different pictures."""
+    a = Image.new("P", (4, 4), 1)
+    b = a.copy()
+    a.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)  # index 1 is red
+    b.putpalette([0, 0, 0, 0, 0, 255] + [0] * 762)  # index 1 is blue
+    assert a.tobytes() == b.tobytes() and a.convert("RGB") != b.convert("RGB")
+    assert hashing.image_digest(a) != hashing.image_digest(b)
+    c = a.copy()
+    c.info["transparency"] = 1  # index 1 is transparent: another RGBA picture
+    assert hashing.image_digest(a) != hashing.image_digest(c)
+    assert hashing.image_digest(a) == hashing.image_digest(a.copy())
