@@ -225,6 +225,57 @@ def test_another_image_never_reuses_the_prefix_and_text_only_prompts_work():
     assert r.cached_tokens == len(text) - 1 and r.tokens == expected.tokens
 
 
+class _BrokenBackend:
+    """A real memory backend whose batch calls raise, like a third-party backend with a bug."""
+
+    @staticmethod
+    def make(fail: str):
+        from mlxcache.backends.memory import MemoryBackend
+
+        class Broken(MemoryBackend):
+            def contains_many(self, keys):
+                if fail == "lookup":
+                    raise RuntimeError("backend bug: contains_many")
+                return super().contains_many(keys)
+
+            def put(self, key, record):
+                if fail == "store":
+                    raise RuntimeError("backend bug: put")
+                return super().put(key, record)
+
+        return Broken()
+
+
+@pytest.mark.parametrize("fail", ["lookup", "store", "dead-redis"])
+def test_a_failing_cache_never_breaks_generation(fail, caplog):
+    """A backend that raises, or a dead Redis: the same tokens and logits as uncached."""
+    import mlx.core as mx
+
+    from mlxcache import open_backend
+    from mlxcache.integrations.mlx_vlm import generate_tokens
+    from mlxcache.prefix import PrefixCache
+    from mlxcache.tiny_models import build_model
+
+    model, _ = build_model("qwen2_vl", 0)
+    ids, pixel_values, kwargs = _inputs("qwen2_vl", 40)
+    expected = generate_tokens(model, ids, pixel_values, max_tokens=3, **kwargs)
+    if fail == "dead-redis":
+        backend = open_backend("redis://127.0.0.1:1/0?timeout=0.2")
+    else:
+        backend = _BrokenBackend.make(fail)
+    cache = PrefixCache(backend, model="tiny-qwen2-vl-test", block_size=16)
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        for _ in range(2):
+            r = generate_tokens(model, ids, pixel_values, cache=cache, max_tokens=3, **kwargs)
+            assert r.tokens == expected.tokens and r.cached_tokens == 0
+            assert r.stored_tokens == 0  # nothing was kept, so nothing is reported stored
+            assert bytes(memoryview(mx.contiguous(r.first_logits))) == bytes(
+                memoryview(mx.contiguous(expected.first_logits))
+            )
+    if fail != "dead-redis":
+        assert any("backend bug" in rec.getMessage() for rec in caplog.records)
+
+
 def test_cached_generate_with_prepared_inputs_and_a_tokenizer():
     from mlxcache.integrations.mlx_vlm import cached_generate, stream_cached_generate
     from mlxcache.prefix import PrefixCache

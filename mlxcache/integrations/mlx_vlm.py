@@ -152,7 +152,7 @@ def prefill(
 
     hit, restored = None, None
     if cache is not None and reason is None and n > 1:
-        hit = cache.lookup(tokens[:-1], images=keys)
+        hit = _cache_call("lookup", cache.lookup, tokens[:-1], images=keys)
         restored = getattr(hit, "vision_embeddings", None)
         if hit is not None and (hit.num_tokens <= 0 or hit.prompt_cache is None):
             hit = None  # only the images' embeddings were found
@@ -205,13 +205,16 @@ def prefill(
 
     stored = 0
     if use_cache and n - 1 > start:
-        stored = cache.store(
+        kept = _cache_call(
+            "store",
+            cache.store,
             tokens[:-1],
             prompt_cache,
             images=keys,
             extras=extras or None,
             vision_embeddings=features,
         )
+        stored = kept or 0
 
     out = lm(ids[:, n - 1 :], inputs_embeds=embeds[:, n - 1 :], cache=prompt_cache, **lm_kwargs)
     logits = out.logits[:, -1, :]
@@ -232,6 +235,20 @@ def prefill(
         cached=use_cache,
         decode_kwargs=decode_kwargs,
     )
+
+
+def _cache_call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A cache lookup or store whose failure must not break inference: logged, then None.
+
+    Backends already turn their own failures (a dead Redis) into misses and no-ops; this also
+    covers a backend that raises anyway (a third-party one with a bug) and any other error
+    inside the cache.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        log.warning("mlxcache: cache %s failed, continuing without it: %r", what, e)
+        return None
 
 
 def _carried_outputs(out: Any) -> dict[str, Any]:
