@@ -176,3 +176,14 @@ def test_foreign_shapes_are_format_errors_even_with_a_matching_checksum():
         text = json.dumps(header).encode()
         with pytest.raises(FormatError):
             st.from_bytes(struct.pack("<Q", len(text)) + text + blob[-2:])
+
+
+def test_from_buffers_consume_drops_each_chunk_once_decoded():
+    record = sample_record()
+    chunks = split(st.to_bytes(record), 50)
+    assert_same(st.from_buffers(chunks, consume=True), record)
+    assert all(c is None for c in chunks)
+    corrupt = split(st.to_bytes(record), 50, bytearray)
+    corrupt[-1][-1] ^= 1
+    with pytest.raises(FormatError):
+        st.from_buffers(corrupt, consume=True)  # verified before anything is dropped

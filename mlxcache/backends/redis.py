@@ -330,7 +330,9 @@ class RedisBackend(BackendBase):
         try:
             if isinstance(value, FormatError):
                 raise value
-            return st.from_buffers(value if isinstance(value, list) else [value])
+            if isinstance(value, list):  # chunks: freed one by one as they are decoded
+                return st.from_buffers(value, consume=True)
+            return st.from_bytes(value)
         except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
             self._log.warning("version", "redis cache: skipping %r: %s", key, exc)
             return None

@@ -223,23 +223,29 @@ class _Chunks:
     """Byte ranges of a blob held as consecutive buffers, read without joining them."""
 
     def __init__(self, chunks: Sequence[bytes | bytearray | memoryview]) -> None:
-        self.views = [memoryview(c).cast("B") for c in chunks]
+        self.views: list[memoryview | None] = [memoryview(c).cast("B") for c in chunks]
         self.starts: list[int] = []
+        self.ends: list[int] = []
         self.size = 0
         for v in self.views:
             self.starts.append(self.size)
-            self.size += len(v)
+            self.size += len(v)  # type: ignore[arg-type]
+            self.ends.append(self.size)
 
     def pieces(self, lo: int, hi: int) -> Iterator[memoryview]:
         """Zero-copy views covering ``[lo, hi)``, in order."""
         i = max(bisect.bisect_right(self.starts, lo) - 1, 0)
         while lo < hi and i < len(self.views):
-            start = self.starts[i]
-            end = min(hi, start + len(self.views[i]))
+            end = min(hi, self.ends[i])
             if end > lo:
-                yield self.views[i][lo - start : end - start]
+                yield self.views[i][lo - self.starts[i] : end - self.starts[i]]  # type: ignore[index]
                 lo = end
             i += 1
+
+    def release(self, upto: int, source: list) -> None:
+        """Drop our views of, and the caller's references to, buffers that end by ``upto``."""
+        for i in range(bisect.bisect_right(self.ends, upto)):
+            self.views[i] = source[i] = None
 
     def span(self, lo: int, hi: int) -> memoryview | bytes:
         """``[lo, hi)`` as one buffer: a view inside one chunk, a copy only across a boundary."""
@@ -249,11 +255,15 @@ class _Chunks:
         return b"".join(parts)
 
 
-def from_buffers(chunks: Sequence[bytes | bytearray | memoryview]) -> Record:
+def from_buffers(
+    chunks: Sequence[bytes | bytearray | memoryview], *, consume: bool = False
+) -> Record:
     """Decode and verify a blob given as consecutive buffers (e.g. Redis chunks), unjoined.
 
     The checksum streams over the buffers; each tensor is built from a view of the buffer that
     holds it, and only a tensor (or header) that straddles a boundary is copied to join it.
+    With ``consume=True`` the caller hands over ``chunks`` (a list): each entry is set to None
+    once its bytes are in the arrays, so peak memory is one record plus a chunk, not two.
     """
     blob = _Chunks(chunks)
     if blob.size < 8:
@@ -264,10 +274,12 @@ def from_buffers(chunks: Sequence[bytes | bytearray | memoryview]) -> Record:
     header = parse_header(blob.span(0, 8 + n), total_size=blob.size)
     base = header.data_offset
     _verify(header, (p for t in header.tensors for p in blob.pieces(base + t.begin, base + t.end)))
-    arrays = {
-        t.name: _array_from_buffer(t, blob.span(base + t.begin, base + t.end))
-        for t in header.tensors
-    }
+    arrays = {}
+    for t in header.tensors:
+        arrays[t.name] = _array_from_buffer(t, blob.span(base + t.begin, base + t.end))
+        if consume:
+            mx.eval(arrays[t.name])
+            blob.release(base + t.end, chunks)  # type: ignore[arg-type]
     mx.eval(list(arrays.values()))
     return Record(arrays=arrays, meta=header.meta)
 
