@@ -19,8 +19,8 @@ def parse_size(value: str | int | float) -> int:
     if isinstance(value, bool):
         raise ValueError(f"invalid size {value!r}")
     if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"invalid size {value!r}: must not be negative")
+        if not 0 <= value < float("inf"):  # also refuses NaN
+            raise ValueError(f"invalid size {value!r}: must be a finite number >= 0")
         return int(value)
     m = _SIZE.match(str(value))
     unit = m.group(2).lower() if m else None
@@ -29,7 +29,10 @@ def parse_size(value: str | int | float) -> int:
             f"invalid size {value!r}: use bytes or a number with a unit "
             "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), e.g. 512MiB or 1.5GB"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    size = float(m.group(1)) * _UNITS[unit]
+    if size == float("inf"):
+        raise ValueError(f"invalid size {value!r}: too large")
+    return int(size)
 
 
 class Options:

@@ -15,10 +15,17 @@ def test_sizes(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("bad", ["12XB", "-1", "", "GiB", True])
+@pytest.mark.parametrize(
+    "bad", ["12XB", "-1", "", "GiB", True, "9" * 400, float("inf"), float("nan"), -1.0]
+)
 def test_bad_sizes(bad):
     with pytest.raises(ValueError):
         parse_size(bad)
+
+
+def test_absurd_size_option_is_a_value_error_naming_it():
+    with pytest.raises(ValueError, match="max_bytes"):
+        mlxcache.open_backend("memory://", max_bytes=float("inf"))
 
 
 def test_unknown_scheme_lists_valid_ones():
