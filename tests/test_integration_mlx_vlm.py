@@ -225,6 +225,34 @@ def test_another_image_never_reuses_the_prefix_and_text_only_prompts_work():
     assert r.cached_tokens == len(text) - 1 and r.tokens == expected.tokens
 
 
+def test_another_video_never_reuses_the_prefix():
+    """Pixels passed as another model input (``pixel_values_videos``) key the prefix too."""
+    import mlx.core as mx
+    import numpy as np
+
+    from mlxcache.integrations.mlx_vlm import generate_tokens
+    from mlxcache.prefix import PrefixCache
+    from mlxcache.tiny_models import build_model
+
+    model, _ = build_model("qwen2_vl", 0)
+    ids = np.random.default_rng(1).integers(1, 990, size=40).tolist()
+    ids[5], ids[6:22] = 997, [998] * 16  # vision start, then the video's 16 tokens
+    grid = mx.array([[1, 8, 8]])
+    v1, v2 = (
+        mx.array(np.random.default_rng(s).standard_normal((64, 1176)).astype(np.float32))
+        for s in (2, 3)
+    )
+    cache = PrefixCache("memory://", model="tiny-qwen2-vl-test", block_size=16)
+    kw = {"max_tokens": 4, "video_grid_thw": grid}
+    generate_tokens(model, ids, cache=cache, pixel_values_videos=v1, **kw)
+    expected = generate_tokens(model, ids, pixel_values_videos=v2, **kw)
+    r = generate_tokens(model, ids, cache=cache, pixel_values_videos=v2, **kw)
+    assert r.cached_tokens == 0 and r.tokens == expected.tokens
+    again = generate_tokens(model, ids, cache=cache, pixel_values_videos=v2, **kw)
+    assert again.cached_tokens == 39 and again.tokens == expected.tokens
+    assert bytes(memoryview(again.first_logits)) == bytes(memoryview(expected.first_logits))
+
+
 class _BrokenBackend:
     """A real memory backend whose batch calls raise, like a third-party backend with a bug."""
 

@@ -97,19 +97,21 @@ def image_keys(images: Sequence[Any], pixel_values: Any, model_kwargs: dict[str,
     """What identifies the prompt's images in cache keys.
 
     The caller's ``images`` when given; otherwise one digest of the processed ``pixel_values``
-    and the array model inputs (e.g. ``image_grid_thw``: the same pixels on another grid are
-    another image), so two different images never share a prefix.
+    and every array model input, by name (``image_grid_thw``: the same pixels on another grid
+    are another image; ``pixel_values_videos``: a video's pixels), so two different images or
+    videos never share a prefix. Text only (no array inputs): no image keys.
     """
     if images:
         return list(images)
-    if pixel_values is None:
+    arrays = [(k, v) for k, v in sorted(model_kwargs.items()) if isinstance(v, mx.array)]
+    if pixel_values is None and not arrays:
         return []
     from mlxcache.hashing import images_digest
 
-    arrays = [
-        model_kwargs[k] for k in sorted(model_kwargs) if isinstance(model_kwargs[k], mx.array)
-    ]
-    return [images_digest([pixel_values, *arrays])]
+    parts: list[Any] = [b"pixel_values", b"" if pixel_values is None else pixel_values]
+    for name, value in arrays:
+        parts += [name.encode(), value]
+    return [images_digest(parts)]
 
 
 def _same_layout(restored: list[Any], fresh: list[Any]) -> bool:
