@@ -33,9 +33,10 @@ _SCALARS = (bool, int, float, str, bytes)
 def dump_prompt_cache(prompt_cache: Any, meta: dict[str, Any] | None = None) -> Record:
     """Snapshot a prompt cache (or any supported structure) into a new Record.
 
-    The record's arrays are new, evaluated array objects (slices compacted): trimming or updating the cache later does
-    not change the record. ``meta`` (msgpack-able, str keys) is stored alongside and comes back
-    from ``load_prompt_cache(record, return_metadata=True)``. Raises TypeError naming the first
+    The record's arrays are new, evaluated array objects (slices of larger buffers compacted):
+    trimming or updating the cache later does not change the record. ``meta`` (msgpack-able,
+    str keys) is stored alongside and comes back from
+    ``load_prompt_cache(record, return_metadata=True)``. Raises TypeError naming the first
     object it cannot store, before anything is copied.
     """
     if meta is not None and not isinstance(meta, dict):
@@ -122,10 +123,10 @@ def is_trimmable_prefix(cache: Any) -> bool:
 def truncate_prompt_cache(prompt_cache: Any, num_tokens: int) -> list:
     """New cache objects holding exactly the first ``num_tokens`` tokens of each cache.
 
-    The input is not changed and nothing aliases it (arrays are new objects, slices compacted). Accepts a list
-    of caches or a single cache (returned as a one-element list). Raises ValueError when a cache
-    holds fewer tokens or cannot be cut there (see :func:`is_trimmable_prefix`), TypeError for
-    an unsupported object.
+    The input is not changed and nothing aliases it (arrays are new objects, slices compacted).
+    Accepts a list of caches or a single cache (returned as a one-element list). Raises
+    ValueError when a cache holds fewer tokens or cannot be cut there (see
+    :func:`is_trimmable_prefix`), TypeError for an unsupported object.
     """
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise ValueError(f"num_tokens must be a non-negative int, got {num_tokens!r}")
