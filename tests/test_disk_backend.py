@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from safetensors import safe_open
+from threads import run_threads
 
 import mlxcache
 from mlxcache import CacheBackend, Record
@@ -198,11 +199,7 @@ def test_threads_share_one_backend(tmp_path):
             if got is not None and not same(got, make_record(f"k{i % 12}")):
                 bad.append(key)
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    assert run_threads(work, 4) == []  # an exception on a worker thread fails the test
     assert not bad and b.stats()["errors"] == 0
     b.close()
     assert_consistent(tmp_path, 40_000)

@@ -10,13 +10,13 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import mlx.core as mx
 import pytest
 from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 from PIL import Image
+from threads import run_threads
 
 from mlxcache import mllm_cache as mc
 from mlxcache.backends.memory import MemoryBackend
@@ -328,26 +328,17 @@ def test_stored_kv_never_aliases_the_callers_or_other_fetches():
 
 def test_threads_store_and_fetch_safely():
     m = MLLMCacheManager(max_entries=12)
-    errors: list[BaseException] = []
     caches = [kv(4, s) for s in range(4)]
 
     def work(t: int) -> None:
-        try:
-            for i in range(15):
-                key = f"img{(t * 7 + i) % 20}"
-                m.store([key], "p", None, caches[i % 4], [t, i, 0, 0])
-                entry, n = m.fetch([key], "p", [t, i, 0, 0])
-                assert entry is None or 0 <= n <= 4
-                m.fetch_cache([f"img{i}"], "p")
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for i in range(15):
+            key = f"img{(t * 7 + i) % 20}"
+            m.store([key], "p", None, caches[i % 4], [t, i, 0, 0])
+            entry, n = m.fetch([key], "p", [t, i, 0, 0])
+            assert entry is None or 0 <= n <= 4
+            m.fetch_cache([f"img{i}"], "p")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+    assert run_threads(work, 6) == []
     s = m.get_stats()
     assert s["total_queries"] == 6 * 15 * 2 == s["hits"] + s["misses"]
     assert len(m) <= 12 and s["entries"] == len(m)
@@ -661,29 +652,20 @@ def test_dead_redis_is_a_miss_and_nothing_is_counted(redis_server, redis_url):
 
 def test_threads_store_fetch_and_clear_on_a_shared_folder(tmp_path):
     m = MLLMCacheManager(max_entries=6, backend=f"file://{tmp_path}/c")
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(12):
-                c = KVCache()
-                x = mx.random.normal((1, 2, 4, 8))  # lazy, built on this thread
-                c.update_and_fetch(x, x)
-                m.store([f"i{(t + i) % 5}"], "p", mx.ones((2, 2)), [c], [t, i, 1, 2])
-                entry, n = m.fetch([f"i{(t + i) % 5}"], "q", [t, i, 1, 2, 3])
-                if entry is not None:
-                    mx.eval(entry.kv_cache[0].state)
-                if t == 0 and i % 5 == 2:
-                    m.clear()
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for i in range(12):
+            c = KVCache()
+            x = mx.random.normal((1, 2, 4, 8))  # lazy, built on this thread
+            c.update_and_fetch(x, x)
+            m.store([f"i{(t + i) % 5}"], "p", mx.ones((2, 2)), [c], [t, i, 1, 2])
+            entry, n = m.fetch([f"i{(t + i) % 5}"], "q", [t, i, 1, 2, 3])
+            if entry is not None:
+                mx.eval(entry.kv_cache[0].state)
+            if t == 0 and i % 5 == 2:
+                m.clear()
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+    assert run_threads(work, 4) == []
     on_disk = set(m._backend.keys("mllm.e."))
     assert set(m._lru.items) == on_disk and len(m) <= 6
     indexed = {i["key"] for k in m._backend.keys("mllm.i.") for i in m._read_index(k[7:])}

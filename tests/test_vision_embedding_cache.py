@@ -8,11 +8,11 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 from dataclasses import MISSING
 
 import mlx.core as mx
 import pytest
+from threads import run_threads
 
 from mlxcache import mllm_cache
 from mlxcache import vision_embedding_cache as vec
@@ -267,26 +267,17 @@ def test_python_objects_memory_vs_persistent(tmp_path):
 
 def test_threads_set_and_get_safely():
     c = VisionEmbeddingCache(max_pixel_entries=8, max_encoding_entries=4)
-    errors: list[BaseException] = []
 
     def work(t: int) -> None:
-        try:
-            for i in range(20):
-                imgs = [f"img{(t + i) % 12}"]
-                c.set_pixel_values(imgs, mx.full((4, 4), float(i)))
-                e = c.get_pixel_values(imgs)
-                assert e is None or e.pixel_values.shape == (4, 4)
-                c.set_encoding_cache(imgs, "p", mx.ones(3), i, mx.ones(3))
-                c.get_encoding_cache(imgs, "p")
-        except BaseException as exc:  # reported below
-            errors.append(exc)
+        for i in range(20):
+            imgs = [f"img{(t + i) % 12}"]
+            c.set_pixel_values(imgs, mx.full((4, 4), float(i)))
+            e = c.get_pixel_values(imgs)
+            assert e is None or e.pixel_values.shape == (4, 4)
+            c.set_encoding_cache(imgs, "p", mx.ones(3), i, mx.ones(3))
+            c.get_encoding_cache(imgs, "p")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    assert not errors
+    assert run_threads(work, 6) == []
     s = c.get_stats()
     assert s["pixel_only_cache_hits"] + s["pixel_only_cache_misses"] == 120
     assert s["pixel_only_cache_size"] <= 8 and s["encoding_cache_size"] <= 4
