@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import re
 import secrets
 import sqlite3
 import threading
@@ -40,7 +39,7 @@ from mlxcache.backends.base import (
     check_record,
     log,
 )
-from mlxcache.backends.disk_files import fsync_dir, pid_alive, unlink, write_file
+from mlxcache.backends.disk_files import fsync_dir, sweep_debris, unlink, write_file
 from mlxcache.errors import FormatError
 from mlxcache.options import Options
 from mlxcache.record import Record
@@ -48,14 +47,9 @@ from mlxcache.serializers import safetensors as st
 
 SCHEMA_VERSION = 1
 SUFFIX = ".safetensors"
-STALE_SECONDS = 3600.0  # debris older than this is removed even if its writer still runs
-QUARANTINE_SECONDS = 7 * 86400.0
 _CHUNK = 500  # keys per SQL statement in batch lookups (SQLite's variable limit is >= 999)
 _EVICT_BATCH = 64
 # Names we create; cleanup never touches anything else (the folder may hold other files).
-_TMP_NAME = re.compile(r"(\d+)-[0-9a-f]+\.tmp")
-_DATA_NAME = re.compile(r"([0-9a-f]{64})-(\d+)-[0-9a-f]+\.safetensors")
-_INDEX_NAME = re.compile(r"index-\d+-\d+\.sqlite(?:-wal|-shm)?")
 
 _SCHEMA = f"""
 BEGIN IMMEDIATE;
@@ -220,56 +214,14 @@ class DiskBackend(BackendBase):
     # ------------------------------------------------------------ housekeeping
 
     def _sweep(self) -> None:
-        """Remove debris of dead writers: temp files, and data files never published or unlinked.
-
-        Only names this backend creates are considered: anything else in the folder is not ours.
-
-        Order matters: list the files, then check their writers, then read the index. A writer
-        found dead cannot publish later, so a file it published is seen in the index.
-        """
-        now = time.time()
-        me = os.getpid()
-        alive: dict[int, bool] = {}
-
-        def debris(entry: os.DirEntry, pid: int) -> bool:
-            try:
-                age = now - entry.stat().st_mtime
-            except OSError:
-                return False
-            if age > STALE_SECONDS:
-                return True
-            if pid == me:
-                return False
-            if pid not in alive:
-                alive[pid] = pid_alive(pid)
-            return not alive[pid]
-
+        """Remove debris of dead writers (see :func:`disk_files.sweep_debris`)."""
         try:
-            for entry in os.scandir(self._tmp):
-                m = _TMP_NAME.fullmatch(entry.name)
-                if m and entry.is_file() and debris(entry, int(m[1])):
-                    unlink(entry.path)
-            candidates: list[str] = []
-            for sub in os.scandir(self._data):
-                if not (len(sub.name) == 2 and sub.is_dir()):
-                    continue
-                for entry in os.scandir(sub.path):
-                    m = _DATA_NAME.fullmatch(entry.name)
-                    if not m or not m[1].startswith(sub.name) or not entry.is_file():
-                        continue
-                    if debris(entry, int(m[2])):
-                        candidates.append(f"{sub.name}/{entry.name}")
-            if candidates:
-                indexed = {f for (f,) in self._db().execute("SELECT file FROM entries")}
-                for name in candidates:
-                    if name not in indexed:
-                        unlink(self._data / name)
-            for entry in os.scandir(self._quarantine):
-                ours = _DATA_NAME.fullmatch(entry.name) or _INDEX_NAME.fullmatch(entry.name)
-                if ours and entry.is_file() and now - entry.stat().st_mtime > QUARANTINE_SECONDS:
-                    unlink(entry.path)
+            sweep_debris(self._tmp, self._data, self._quarantine, self._indexed_files)
         except (OSError, sqlite3.Error) as exc:
             log.warning("file cache: cleanup of %s failed: %s", self.root, exc)
+
+    def _indexed_files(self) -> set[str]:
+        return {f for (f,) in self._db().execute("SELECT file FROM entries")}
 
     def _evict(self, db: sqlite3.Connection, limit: int, keep: str = "") -> list[str]:
         """Delete least recently used rows (never ``keep``) until the total fits ``limit``."""

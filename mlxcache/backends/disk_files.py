@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import os
+import re
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from mlxcache.backends.base import log
+
+STALE_SECONDS = 3600.0  # debris older than this is removed even if its writer still runs
+QUARANTINE_SECONDS = 7 * 86400.0
+# The only names the disk backend creates: cleanup never touches anything else.
+TMP_NAME = re.compile(r"(\d+)-[0-9a-f]+\.tmp")
+DATA_NAME = re.compile(r"([0-9a-f]{64})-(\d+)-[0-9a-f]+\.safetensors")
+INDEX_NAME = re.compile(r"index-\d+-\d+\.sqlite(?:-wal|-shm)?")
 
 
 def write_file(path: str, head: bytes, views: list[memoryview]) -> None:
@@ -52,3 +62,55 @@ def pid_alive(pid: int) -> bool:
     except OSError:  # EPERM: alive, owned by someone else
         return True
     return True
+
+
+def sweep_debris(
+    tmp: Path, data: Path, quarantine: Path, indexed_files: Callable[[], set[str]]
+) -> None:
+    """Remove debris of dead writers: temp files, and data files never published or unlinked.
+
+    Only names the disk backend creates are considered: anything else in the folder is not
+    ours. Order matters: list the files, then check their writers, then read the index
+    (``indexed_files``). A writer found dead cannot publish later, so a file it published is
+    seen in the index. Raises OSError or sqlite3.Error; the caller logs them.
+    """
+    now = time.time()
+    me = os.getpid()
+    alive: dict[int, bool] = {}
+
+    def debris(entry: os.DirEntry, pid: int) -> bool:
+        try:
+            age = now - entry.stat().st_mtime
+        except OSError:
+            return False
+        if age > STALE_SECONDS:
+            return True
+        if pid == me:
+            return False
+        if pid not in alive:
+            alive[pid] = pid_alive(pid)
+        return not alive[pid]
+
+    for entry in os.scandir(tmp):
+        m = TMP_NAME.fullmatch(entry.name)
+        if m and entry.is_file() and debris(entry, int(m[1])):
+            unlink(entry.path)
+    candidates: list[str] = []
+    for sub in os.scandir(data):
+        if not (len(sub.name) == 2 and sub.is_dir()):
+            continue
+        for entry in os.scandir(sub.path):
+            m = DATA_NAME.fullmatch(entry.name)
+            if not m or not m[1].startswith(sub.name) or not entry.is_file():
+                continue
+            if debris(entry, int(m[2])):
+                candidates.append(f"{sub.name}/{entry.name}")
+    if candidates:
+        indexed = indexed_files()
+        for name in candidates:
+            if name not in indexed:
+                unlink(data / name)
+    for entry in os.scandir(quarantine):
+        ours = DATA_NAME.fullmatch(entry.name) or INDEX_NAME.fullmatch(entry.name)
+        if ours and entry.is_file() and now - entry.stat().st_mtime > QUARANTINE_SECONDS:
+            unlink(entry.path)
