@@ -31,10 +31,25 @@ def _errors(backend: CacheBackend) -> int:
     return int(backend.stats().get("errors", 0))
 
 
+class _LastWarning(logging.Handler):
+    """Keeps the backends' warnings so a failure is reported as one line that names its cause."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.last = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.last = record.getMessage()
+
+
+_WARNINGS = _LastWarning()
+
+
 def _check_reachable(backend: CacheBackend, before: int, uri: str) -> None:
     """The backends turn store failures into misses; the CLI turns them back into an error."""
     if _errors(backend) > before:
-        raise CLIError(f"the cache at {uri} failed (unreachable or unreadable); see the log above")
+        cause = _WARNINGS.last or "unreachable or unreadable"
+        raise CLIError(f"the cache at {uri} failed: {cause}")
 
 
 def _print_json(obj: Any) -> None:
@@ -200,6 +215,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxcache", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="print the backends' log lines")
     sub = p.add_subparsers(dest="command", required=True)
 
     def add(name: str, func, help: str) -> argparse.ArgumentParser:
@@ -251,8 +267,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="mlxcache: %(levelname)s: %(message)s")
     args = build_parser().parse_args(argv)
+    logger = logging.getLogger("mlxcache")
+    propagate = logger.propagate
+    _WARNINGS.last = ""
+    logger.addHandler(_WARNINGS)
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="mlxcache: %(levelname)s: %(message)s")
+    else:
+        logger.propagate = False  # a failure is reported once, by the error line
     try:
         return args.func(args) or 0
     except CLIError as exc:
@@ -261,6 +284,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mlxcache: interrupted", file=sys.stderr)
         return 130
+    finally:
+        logger.removeHandler(_WARNINGS)
+        logger.propagate = propagate
 
 
 if __name__ == "__main__":
