@@ -151,3 +151,15 @@ def test_demo_errors(capsys):
     assert (
         run(capsys, "demo", "--cache", "memory://")[0] == 2
     )  # one process cannot show warm starts
+
+
+def test_inspect_and_gc_on_redis(capsys, redis_url):
+    fill(redis_url)
+    code, out, _ = run(capsys, "inspect", redis_url, "k/2", "--json")
+    info = json.loads(out)
+    assert code == 0 and info["meta"] == {"i": 2} and info["tensors"][0]["dtype"] == "BF16"
+    code, out, _ = run(capsys, "gc", redis_url, "--max-bytes", "1500", "--json")
+    result = json.loads(out)
+    assert code == 0 and result["bytes_after"] <= 1500 < result["bytes_before"]
+    code, out, _ = run(capsys, "ls", redis_url, "--json")
+    assert json.loads(out) == ["k/1", "k/2"]  # the least recently used entry went first

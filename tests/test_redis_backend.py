@@ -682,3 +682,32 @@ def test_many_processes_share_one_budget(redis_url):
         assert digest == got.meta["sha"]
     assert b.stats()["errors"] == 0
     json.dumps(s)  # stats are plain data
+
+
+@pytest.mark.parametrize("chunk_size", ["256MiB", "7", "1KiB"])
+def test_header_reads_no_tensor_data(redis_url, chunk_size):
+    rec = sample_record()
+    b = mlxcache.open_backend(f"{redis_url}?chunk_size={chunk_size}")
+    b.put("k", rec)
+    header = b.header("k")
+    expected = st.parse_header(st.to_bytes(rec))
+    assert header is not None
+    assert (header.meta, header.tensors, header.checksum) == (
+        expected.meta,
+        expected.tensors,
+        expected.checksum,
+    )
+    assert b.header("missing") is None and b.stats()["errors"] == 0
+    raw(redis_url).set("mlxcache:v:bad", b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    assert b.header("bad") is None and b.stats()["errors"] == 1
+
+
+def test_opening_with_a_smaller_budget_evicts_lru_down_to_it(redis_url):
+    b = mlxcache.open_backend(redis_url)
+    for i in range(4):
+        b.put(f"k{i}", blob_record(1000, seed=i))
+    b.get("k0")  # k0 is now the most recently used
+    size = stored_size(blob_record(1000))
+    trimmed = mlxcache.open_backend(redis_url, max_bytes=2 * size)
+    assert sorted(trimmed.keys()) == ["k0", "k3"]
+    assert trimmed.stats()["bytes"] <= 2 * size and trimmed.stats()["evictions"] == 2

@@ -52,6 +52,7 @@ REDIS_MAX_STRING = 512 * 1024 * 1024
 DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
 DEFAULT_TIMEOUT = 5.0
 PENDING_CHUNK_MS = 600_000  # chunks of an unfinished write vanish on their own after this
+HEADER_PROBE = 64 * 1024  # bytes read first for a header; a larger one costs one more read
 MANIFEST_MAGIC = b"mlxcache-chunks:1\n"  # as a u64 header length this is absurd: never a blob
 
 # redis-py's pure-Python packer sends large values and memoryviews as they are; with hiredis
@@ -137,6 +138,16 @@ class RedisBackend(BackendBase):
         self._lock = threading.Lock()
         self._down_until = 0.0
         self._delay = backoff
+        if max_bytes is not None:
+            self._evict_to(max_bytes)  # opening with a budget enforces it (``mlxcache gc``)
+
+    def _evict_to(self, max_bytes: int) -> None:
+        try:
+            evicted = int(self._script("evict", self._index, [max_bytes]))
+        except _FAILURES as exc:
+            self._failed("evict", exc)
+            return
+        self._counters.add("evictions", evicted)
 
     # ------------------------------------------------------------ keys and state
 
@@ -183,6 +194,44 @@ class RedisBackend(BackendBase):
         except NoScriptError:
             self._load_scripts()
             return self._eval(self.client, name, keys, args)
+
+    def header(self, key: str) -> st.Header | None:
+        """A record's header without its tensor data (``mlxcache inspect``); None if absent."""
+        check_key(key)
+        if self._skipping():
+            self._counters.add("errors")
+            return None
+        try:
+            return self._read_header(self._vkey(key))
+        except _FAILURES as exc:
+            self._failed("header", exc)
+        except FormatError as exc:
+            self._counters.add("errors")
+            log.warning("redis cache: unreadable header of %r: %s", key, exc)
+        return None
+
+    def _read_header(self, vkey: str) -> st.Header | None:
+        """Read the first bytes of a value until its header fits (across chunks if need be)."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.getrange(vkey, 0, HEADER_PROBE - 1)
+        pipe.strlen(vkey)
+        prefix, size = pipe.execute()
+        if not prefix:
+            return None
+        if not _is_manifest(prefix):
+            need = _header_need(prefix)
+            if need > len(prefix):
+                prefix = self.client.getrange(vkey, 0, need - 1)
+            return st.parse_header(prefix, total_size=size)
+        m = _parse_manifest(prefix)
+        if m is None:
+            raise FormatError("malformed chunk manifest")
+        head = b""
+        for chunk in self._chunk_keys(m):
+            head += self.client.getrange(chunk, 0, HEADER_PROBE - 1)
+            if len(head) >= _header_need(head):
+                break
+        return st.parse_header(head, total_size=m["size"])
 
     # ------------------------------------------------------------ writing
 
@@ -479,6 +528,13 @@ def _complete(m: dict[str, Any], chunks: list[bytes | None]) -> list[bytes] | No
 
 def _is_manifest(value: bytes) -> bool:
     return value[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
+
+
+def _header_need(prefix: bytes) -> int:
+    """Bytes needed for the whole header, given the first bytes of a blob (capped)."""
+    if len(prefix) < 8:
+        return 8
+    return 8 + min(int.from_bytes(prefix[:8], "little"), st.MAX_HEADER_BYTES)
 
 
 def _parse_manifest(value: bytes) -> dict[str, Any] | None:

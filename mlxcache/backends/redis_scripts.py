@@ -2,7 +2,8 @@
 
 ``commit`` points a key at its value and evicts least recently used keys until the total fits
 the budget; ``touch`` refreshes access order; ``drop`` forgets a key; ``stats`` reads the
-totals. The key layout is described in :mod:`mlxcache.backends.redis`.
+totals; ``evict`` trims the store to a budget. The key layout is described in
+:mod:`mlxcache.backends.redis`.
 """
 
 import hashlib
@@ -126,5 +127,28 @@ return {redis.call('ZCARD', LRU), total()}
 """
 )
 
-SCRIPTS = {"commit": _COMMIT, "touch": _TOUCH, "drop": _DROP, "stats": _STATS}
+# KEYS: 6 index keys. ARGV: prefix, max_bytes. Evict least recently used keys until the total
+# fits (what opening with a smaller budget does: ``mlxcache gc``). -> number evicted
+_EVICT = (
+    _LUA_COMMON
+    + """
+sweep(now_ms())
+local maxb, evicted = tonumber(ARGV[2]), 0
+while total() > maxb do
+  local victim = redis.call('ZRANGE', LRU, 0, 0)[1]
+  if not victim then break end
+  evicted = evicted + drop(victim)
+end
+if total() < 0 then redis.call('SET', TOTAL, 0) end
+return evicted
+"""
+)
+
+SCRIPTS = {
+    "commit": _COMMIT,
+    "touch": _TOUCH,
+    "drop": _DROP,
+    "stats": _STATS,
+    "evict": _EVICT,
+}
 SHAS = {name: hashlib.sha1(body.encode()).hexdigest() for name, body in SCRIPTS.items()}
