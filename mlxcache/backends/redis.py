@@ -18,7 +18,6 @@ client sees one true total and evicts by one LRU order. See docs/backends.md.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -42,6 +41,12 @@ from mlxcache.backends.base import (
     check_record,
     log,
 )
+from mlxcache.backends.redis_chunks import (
+    complete_chunks,
+    is_manifest,
+    make_manifest,
+    parse_manifest,
+)
 from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
 from mlxcache.errors import FormatError, UnsupportedVersionError
 from mlxcache.options import Options
@@ -53,7 +58,6 @@ DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
 DEFAULT_TIMEOUT = 5.0
 PENDING_CHUNK_MS = 600_000  # chunks of an unfinished write vanish on their own after this
 HEADER_PROBE = 64 * 1024  # bytes read first for a header; a larger one costs one more read
-MANIFEST_MAGIC = b"mlxcache-chunks:1\n"  # as a u64 header length this is absurd: never a blob
 
 # redis-py's pure-Python packer sends large values and memoryviews as they are; with hiredis
 # installed the default packer would copy every value into one new command buffer (a full
@@ -218,18 +222,18 @@ class RedisBackend(BackendBase):
         prefix, size = pipe.execute()
         if not prefix:
             return None
-        if not _is_manifest(prefix):
-            need = _header_need(prefix)
+        if not is_manifest(prefix):
+            need = st.header_bytes_needed(prefix)
             if need > len(prefix):
                 prefix = self.client.getrange(vkey, 0, need - 1)
             return st.parse_header(prefix, total_size=size)
-        m = _parse_manifest(prefix)
+        m = parse_manifest(prefix)
         if m is None:
             raise FormatError("malformed chunk manifest")
         head = b""
         for chunk in self._chunk_keys(m):
             head += self.client.getrange(chunk, 0, HEADER_PROBE - 1)
-            if len(head) >= _header_need(head):
+            if len(head) >= st.header_bytes_needed(head):
                 break
         return st.parse_header(head, total_size=m["size"])
 
@@ -289,7 +293,7 @@ class RedisBackend(BackendBase):
         for i, ck in enumerate(chunk_keys):
             pipe.set(ck, view[i * step : (i + 1) * step], px=PENDING_CHUNK_MS)
         pipe.execute()
-        manifest = MANIFEST_MAGIC + json.dumps({"gen": gen, "n": n, "size": size}).encode()
+        manifest = make_manifest(gen, n, size)
         keys = [*self._index, self._vkey(key), *chunk_keys]
         status, evicted = self._script(
             "commit", keys, self._commit_args(key, size, f"{gen}:{n}", manifest)
@@ -341,9 +345,9 @@ class RedisBackend(BackendBase):
                 raise r
         if any(isinstance(r, NoScriptError) for r in replies[1::2]):
             self._load_scripts()  # only the LRU refresh was lost; next time it works
-        manifests = [i for i, v in enumerate(values) if v is not None and _is_manifest(v)]
+        manifests = [i for i, v in enumerate(values) if v is not None and is_manifest(v)]
         if manifests:
-            parsed = [_parse_manifest(values[i]) for i in manifests]
+            parsed = [parse_manifest(values[i]) for i in manifests]
             pipe = self.client.pipeline(transaction=False)
             for m in parsed:
                 if m:
@@ -352,7 +356,7 @@ class RedisBackend(BackendBase):
                     pipe.echo(b"")  # keeps replies aligned; _decode reports the bad manifest
             for i, m, chunks in zip(manifests, parsed, pipe.execute(), strict=True):
                 if m:
-                    seen, values[i] = values[i], _complete(m, chunks)
+                    seen, values[i] = values[i], complete_chunks(m, chunks)
                     if values[i] is None:  # replaced under us, or chunks lost: read it again
                         values[i] = self._read_again(keys[i], seen)
         return values
@@ -363,12 +367,12 @@ class RedisBackend(BackendBase):
     def _read_again(self, key: str, seen: bytes) -> Value:
         """Read a chunked value once more; the same manifest with chunks still missing is lost."""
         value = self.client.get(self._vkey(key))
-        if value is None or not _is_manifest(value):
+        if value is None or not is_manifest(value):
             return value
-        m = _parse_manifest(value)
+        m = parse_manifest(value)
         if m is None:
             return value  # let _decode report it
-        chunks = _complete(m, self.client.mget(self._chunk_keys(m)))
+        chunks = complete_chunks(m, self.client.mget(self._chunk_keys(m)))
         if chunks is None and value == seen:  # evicted by Redis' maxmemory, deleted by hand...
             return FormatError("chunks of a large value are missing")
         return chunks
@@ -517,34 +521,6 @@ class RedisBackend(BackendBase):
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.url!r}, prefix={self.prefix!r})"
-
-
-def _complete(m: dict[str, Any], chunks: list[bytes | None]) -> list[bytes] | None:
-    """The chunks of a manifest if all are there and add up to its size, else None."""
-    if any(c is None for c in chunks) or sum(len(c) for c in chunks) != m["size"]:
-        return None
-    return chunks  # type: ignore[return-value]
-
-
-def _is_manifest(value: bytes) -> bool:
-    return value[: len(MANIFEST_MAGIC)] == MANIFEST_MAGIC
-
-
-def _header_need(prefix: bytes) -> int:
-    """Bytes needed for the whole header, given the first bytes of a blob (capped)."""
-    if len(prefix) < 8:
-        return 8
-    return 8 + min(int.from_bytes(prefix[:8], "little"), st.MAX_HEADER_BYTES)
-
-
-def _parse_manifest(value: bytes) -> dict[str, Any] | None:
-    try:
-        m = json.loads(value[len(MANIFEST_MAGIC) :])
-        if isinstance(m["gen"], str) and int(m["n"]) >= 1 and int(m["size"]) >= 0:
-            return {"gen": m["gen"], "n": int(m["n"]), "size": int(m["size"])}
-    except (ValueError, KeyError, TypeError):
-        pass
-    return None
 
 
 def _public_url(url: str) -> str:

@@ -289,6 +289,13 @@ def from_bytes(blob: bytes | bytearray | memoryview) -> Record:
     return from_buffers([blob])
 
 
+def header_bytes_needed(prefix: bytes) -> int:
+    """Bytes a blob's header takes, from its first bytes (8 if fewer are known; capped)."""
+    if len(prefix) < 8:
+        return 8
+    return 8 + min(int.from_bytes(prefix[:8], "little"), MAX_HEADER_BYTES)
+
+
 def read_header(path: str | os.PathLike) -> Header:
     """Read only the header of a record file (cheap: tensor bytes stay on disk)."""
     with open(path, "rb") as f:
