@@ -27,7 +27,7 @@ from benchmarks.common import (
     time_runs,
 )
 from mlxcache import Record, open_backend
-from mlxcache.serializers import safetensors as st
+from mlxcache import format as st
 
 SECTION = "throughput"
 CHUNK = 64 * 2**20  # dd-style block size

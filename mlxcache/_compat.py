@@ -15,10 +15,10 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxcache import meta as meta_codec
 from mlxcache.backends.base import CacheBackend
 from mlxcache.backends.memory import MemoryBackend
 from mlxcache.record import Record
-from mlxcache.serializers import meta as meta_codec
 from mlxcache.uri import open_backend
 
 _CACHE_MODULES = ("mlx_vlm.", "mlx_lm.")

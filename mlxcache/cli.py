@@ -82,7 +82,7 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 def _describe(backend: CacheBackend, key: str) -> dict[str, Any] | None:
     """Header, tensors and sizes of one record; no tensor data is loaded where avoidable."""
-    from mlxcache.serializers import safetensors as st
+    from mlxcache import format as st
 
     header_of = getattr(backend, "header", None)  # disk and Redis read only the header
     if header_of is not None:

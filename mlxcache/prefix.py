@@ -56,7 +56,7 @@ class _Plan:
     def __init__(self, seed: bytes, tokens: np.ndarray, bs: int, digests, positions) -> None:
         self.seed, self.tokens, self.bs = seed, tokens, bs
         self.digests, self.positions = digests, positions
-        self._full: list[bytes] = []
+        self._full: list[bytes] | None = None
 
     def extra(self, start: int, end: int) -> bytes:
         if not self.digests:
@@ -66,18 +66,14 @@ class _Plan:
         return hashing.placed_images_extra(self.digests, self.positions, start, end)
 
     def parent(self, i: int) -> bytes:
-        if not i:
-            return self.seed
-        self.full(i)
-        return self._full[i - 1]
+        return self.full(i)[i - 1] if i else self.seed
 
     def full(self, n: int) -> list[bytes]:
-        """Hashes of the first ``n`` whole blocks (computed once, in one pass)."""
-        bs, t = self.bs, self.tokens
-        while len(self._full) < n:
-            a = len(self._full) * bs
-            parent = self._full[-1] if self._full else self.seed
-            self._full.append(hashing.chain(parent, t[a : a + bs], self.extra(a, a + bs)))
+        """Hashes of the first ``n`` whole blocks (every whole block hashed once, in one pass)."""
+        if self._full is None:
+            bs = self.bs
+            extras = [self.extra(a, a + bs) for a in range(0, len(self.tokens) - bs + 1, bs)]
+            self._full = hashing.block_hashes(self.seed, self.tokens, bs, extras)
         return self._full[:n]
 
     def partial(self, i: int, r: int) -> bytes:

@@ -8,7 +8,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcache.serializers import meta as meta_codec
+from mlxcache import meta as meta_codec
 
 
 @dataclass(frozen=True)

@@ -423,7 +423,7 @@ def test_warm_start_in_new_processes_reads_no_tensor_data(tmp_path):
     read = run_py(
         """
         import sys, mlxcache
-        from mlxcache.serializers import safetensors as st
+        from mlxcache import format as st
         from test_disk_backend import make_record, same
         real = st.read_file, st.read_header
         def boom(*a):

@@ -32,6 +32,7 @@ from cache_cases import (  # a module of tests/, on pytest's path
 )
 
 from mlxcache import FormatError, Record, UnsupportedVersionError
+from mlxcache import format as st
 from mlxcache.serializers import (
     cache_nbytes,
     dump_prompt_cache,
@@ -39,7 +40,6 @@ from mlxcache.serializers import (
     load_prompt_cache,
     truncate_prompt_cache,
 )
-from mlxcache.serializers import safetensors as st
 from mlxcache.tiny_models import build_model
 
 
@@ -166,9 +166,9 @@ def test_subprocess_write_then_load(tmp_path):
     script = _SUBPROCESS_MAKE + textwrap.dedent(
         f"""
         from mlxcache.serializers import dump_prompt_cache
-        from mlxcache.serializers import safetensors as st
+        from mlxcache import format as st
         with open({str(path)!r}, "wb") as f:
-            st.write(f, dump_prompt_cache(make(), meta={{"who": "child"}}))
+            f.write(st.to_bytes(dump_prompt_cache(make(), meta={{"who": "child"}})))
         """
     )
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

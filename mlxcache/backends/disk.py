@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import SplitResult, unquote
 
+from mlxcache import format as st
 from mlxcache.backends.base import (
     BackendBase,
     Counters,
@@ -43,7 +44,6 @@ from mlxcache.backends.disk_files import fsync_dir, sweep_debris, unlink, write_
 from mlxcache.errors import FormatError
 from mlxcache.options import Options
 from mlxcache.record import Record
-from mlxcache.serializers import safetensors as st
 
 SCHEMA_VERSION = 1
 SUFFIX = ".safetensors"

@@ -10,10 +10,10 @@ from urllib.parse import SplitResult
 
 import mlx.core as mx
 
+from mlxcache import meta as meta_codec
 from mlxcache.backends.base import BackendBase, Counters, check_key, check_record, log
 from mlxcache.options import Options
 from mlxcache.record import Record
-from mlxcache.serializers import meta as meta_codec
 
 
 def detached(record: Record) -> Record:

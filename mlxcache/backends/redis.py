@@ -33,6 +33,7 @@ from redis.connection import PythonRespSerializer
 from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
+from mlxcache import format as st
 from mlxcache.backends.base import (
     BackendBase,
     Counters,
@@ -51,7 +52,6 @@ from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
 from mlxcache.errors import FormatError, UnsupportedVersionError
 from mlxcache.options import Options
 from mlxcache.record import Record
-from mlxcache.serializers import safetensors as st
 
 REDIS_MAX_STRING = 512 * 1024 * 1024
 DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024

@@ -16,10 +16,10 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache import meta as meta_codec
 from mlxcache.errors import FormatError, UnsupportedVersionError
 from mlxcache.record import Record
 from mlxcache.serializers import adapters
-from mlxcache.serializers import meta as meta_codec
 from mlxcache.serializers.adapters import StateError
 
 STRUCTURE_VERSION = 1
