@@ -213,6 +213,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mlxcache.integrations.mlx_lm_server import main as serve
+
+    return serve(args.server_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlxcache", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="print the backends' log lines")
@@ -233,6 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="prompt length"
     )
     sp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate")
+    sp = add("serve", cmd_serve, "mlx-lm's OpenAI-compatible server on a persistent prompt cache")
+    sp.add_argument("server_args", nargs=argparse.REMAINDER, help="see mlxcache serve --help")
     sp = add("stats", cmd_stats, "print a backend's stats")
     sp.add_argument("uri")
     sp.add_argument("--json", action="store_true", help="one JSON object")
@@ -267,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # every other option is mlx_lm.server's: it parses them
+        return cmd_serve(argparse.Namespace(server_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logger = logging.getLogger("mlxcache")
     propagate = logger.propagate

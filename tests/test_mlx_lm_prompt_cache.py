@@ -180,3 +180,37 @@ def test_after_next_insert_runs_once_after_the_store():
 def test_bad_arguments_are_clear_errors():
     with pytest.raises(ValueError):
         SharedPromptCache(backend="nosuch://x")
+
+
+def test_a_longer_prefix_from_another_worker_beats_a_shorter_hot_one(tmp_path):
+    uri = f"file://{tmp_path}/c"
+    a = SharedPromptCache(backend=uri)
+    b = SharedPromptCache(backend=uri)
+    turn1 = list(range(1, 300))
+    b.insert_cache(MODEL, turn1, kv(turn1))  # b's hot tier: the first turn
+    turn2 = turn1 + list(range(400, 480))
+    a.fetch_nearest_cache(MODEL, turn2)
+    a.insert_cache(MODEL, turn2 + [9], kv(turn2 + [9]))  # a computed the second turn
+    turn3 = turn2 + [9, 10, 11]
+    hit, rest = b.fetch_nearest_cache(MODEL, turn3)
+    assert rest == [10, 11]
+    assert rows(hit) == [float(t) for t in turn2 + [9]]
+    assert b.stats()["backend_hits"] == 1
+    # when the shared tier has nothing longer, the hot tier answers and nothing is read
+    gets = b.backend.stats()["hits"]
+    other = turn1 + [77, 78, 79]
+    hit, rest = b.fetch_nearest_cache(MODEL, other)
+    assert rest == [77, 78, 79] and b.stats()["hot_hits"] == 1
+    assert b.backend.stats()["hits"] == gets
+
+
+def test_longest_bounds_lookup(tmp_path):
+    from mlxcache import PrefixCache
+
+    pc = PrefixCache("memory://", model="m", block_size=16)
+    tokens = list(range(100))
+    assert pc.longest(tokens) == 0
+    pc.store(tokens[:37], kv(tokens[:37]))
+    for probe in (tokens, tokens[:40], tokens[:37], tokens[:36], tokens[:20], [5] + tokens):
+        hit = pc.lookup(probe)
+        assert pc.longest(probe) == (hit.num_tokens if hit else 0)

@@ -122,28 +122,39 @@ class SharedPromptCache(LRUPromptCache):
     def fetch_nearest_cache(self, model: Any, tokens: list[int]):
         """The nearest cache and the tokens it does not cover, as ``LRUPromptCache``.
 
-        The hot tier first (a copy of a live cache, like mlx-lm); on a hot miss the shared
-        tier, which restores at most ``len(tokens) - 1`` tokens (the last one is always run).
+        The hot tier first (a copy of a live cache, like mlx-lm). Unless it covers the prompt,
+        the shared tier is asked (one ``contains_many``) whether it has a longer prefix, e.g.
+        one another worker computed, and only then read; it restores at most
+        ``len(tokens) - 1`` tokens (the last one is always run).
         """
         self._count(fetches=1)
         self._recent.append((model, tuple(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
+        hot = len(tokens) - len(rest) if cache is not None else 0
+        hit = self._lookup(model, tokens, hot) if hot < len(tokens) - 1 else None
+        if hit is not None:
+            self._count(backend_hits=1, tokens_backend=hit.num_tokens)
+            return hit.prompt_cache, tokens[hit.num_tokens :]
         if cache is not None:
-            self._count(hot_hits=1, tokens_hot=len(tokens) - len(rest))
+            self._count(hot_hits=1, tokens_hot=hot)
             return cache, rest
-        hit = None
-        if len(tokens) > 1:
-            try:
-                pc = self.prefix_cache(model)
-                hit = pc.lookup(tokens[:-1]) if pc is not None else None
-            except Exception as e:  # a failing store is a miss, never an error in the server
-                log.warning("mlx-lm prompt cache: lookup failed, running uncached: %s", e)
-                self._count(lookup_errors=1)
-        if hit is None or not hit.num_tokens or hit.prompt_cache is None:
-            self._count(misses=1)
-            return None, tokens
-        self._count(backend_hits=1, tokens_backend=hit.num_tokens)
-        return hit.prompt_cache, tokens[hit.num_tokens :]
+        self._count(misses=1)
+        return None, tokens
+
+    def _lookup(self, model: Any, tokens: list[int], have: int):
+        """A backend hit longer than ``have`` tokens (at most ``len(tokens) - 1``), or None."""
+        try:
+            pc = self.prefix_cache(model)
+            if pc is None or len(tokens) < 2 or pc.longest(tokens[:-1]) <= have:
+                return None  # one contains_many: nothing longer there, nothing read
+            hit = pc.lookup(tokens[:-1])
+        except Exception as e:  # a failing store is a miss, never an error in the server
+            log.warning("mlx-lm prompt cache: lookup failed, running uncached: %s", e)
+            self._count(lookup_errors=1)
+            return None
+        if hit is None or hit.prompt_cache is None or hit.num_tokens <= have:
+            return None
+        return hit
 
     def insert_cache(
         self,
