@@ -163,3 +163,24 @@ def test_hot_tier_holds_prompt_cache_bytes(tiny_lm, servers, tmp_path):
     # the first prompts left the hot tier long ago: the shared tier still has them
     _, n, cached = s.chat(prompts[0], max_tokens=2)
     assert cached == n - 1
+
+
+def test_without_mlx_lm_one_line_says_what_to_install():
+    code = (
+        "import sys\n"
+        "sys.modules['mlx_lm'] = None  # as if it were not installed\n"
+        "from mlxcache.cli import main\n"
+        "sys.exit(main(['serve', '--model', 'x']))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "mlxcache: error: mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
+    ]
+
+
+def test_bad_cache_uri_is_one_line():
+    args = [sys.executable, "-m", "mlxcache", "serve", "--cache", "nosuch://x", "--model", "m"]
+    run = subprocess.run(args, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr
