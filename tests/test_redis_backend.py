@@ -15,6 +15,7 @@ import time
 import mlx.core as mx
 import pytest
 import redis
+from helpers import assert_same, bits, blob_record, run_py, sample_record
 from redis_server import RedisServer, free_port
 
 import mlxcache
@@ -23,40 +24,6 @@ from mlxcache import format as st
 from mlxcache.backends.redis import RedisBackend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-DTYPES = [
-    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
-    mx.int64, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64,
-]  # fmt: skip
-
-
-def bits(a: mx.array) -> bytes:
-    return bytes(memoryview(mx.contiguous(a)))
-
-
-def assert_same(a: Record, b: Record) -> None:
-    assert set(a.arrays) == set(b.arrays)
-    for name, x in a.arrays.items():
-        y = b.arrays[name]
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
-        assert bits(x) == bits(y), name
-    assert dict(a.meta) == dict(b.meta)
-
-
-def sample_record() -> Record:
-    mx.random.seed(3)
-    arrays = {f"t{i}": (mx.random.normal((3, 5)) * 100).astype(d) for i, d in enumerate(DTYPES)}
-    arrays["kv_bf16"] = mx.random.normal((1, 2, 33, 8)).astype(mx.bfloat16)[:, :, 1:30, :]
-    arrays["nan_payload"] = mx.array([0x7FC1, 0xFFFF, 0x0001], dtype=mx.uint16).view(mx.bfloat16)
-    arrays["empty"] = mx.zeros((0, 4), dtype=mx.bfloat16)
-    return Record(arrays, {"tokens": [1, 2, 3], "model": "tiny", "raw": b"\x00\xff"})
-
-
-def blob_record(nbytes: int, seed: int = 0) -> Record:
-    """A record whose stored size is nbytes plus a small header."""
-    data = mx.random.randint(0, 256, (nbytes,), dtype=mx.uint8, key=mx.random.key(seed))
-    mx.eval(data)  # MLX evaluates a graph only on the thread that built it
-    return Record({"x": data}, {"seed": seed})
 
 
 def stored_size(record: Record) -> int:
@@ -67,40 +34,16 @@ def raw(url: str) -> redis.Redis:
     return redis.Redis.from_url(url)
 
 
-def run_py(code: str, *args: str, timeout: float = 60) -> str:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
 # ---------------------------------------------------------------- round trips
 
 
-def test_round_trip_is_bit_exact(redis_url):
+def test_bytes_are_the_stored_value_sizes(redis_url):
     rec = sample_record()
     with mlxcache.open_backend(redis_url) as b:
-        assert isinstance(b, mlxcache.CacheBackend)
         b.put("prefix/abc", rec)
-        got = b.get("prefix/abc")
-        assert_same(rec, got)
-        assert b.get("missing") is None
-        s = b.stats()
-        assert (s["hits"], s["misses"], s["entries"]) == (1, 1, 1)
-        assert s["bytes"] == stored_size(rec)
-        for field in ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "errors"):
-            assert field in s
-
-
-def test_get_does_not_alias_between_calls(redis_url):
-    b = mlxcache.open_backend(redis_url)
-    b.put("k", Record({"x": mx.ones((4,))}))
-    first = b.get("k")
-    first.arrays["x"][0] = 42.0
-    assert b.get("k").arrays["x"][0].item() == 1.0
+        assert (
+            b.stats()["bytes"] == stored_size(rec) == raw(redis_url).strlen("mlxcache:v:prefix/abc")
+        )
 
 
 def test_key_layout_keeps_user_and_internal_keys_apart(redis_url):
@@ -379,22 +322,6 @@ def test_budget_counts_each_key_once_and_evicts_lru(redis_url):
     assert s["evictions"] == 1 and s["bytes"] == 2 * one and s["entries"] == 2
 
 
-def test_oversize_record_is_refused_and_flushes_nothing(redis_url, caplog):
-    b = mlxcache.open_backend(redis_url, max_bytes="4KiB")
-    b.put("small", blob_record(100))
-    with caplog.at_level(logging.WARNING, logger="mlxcache"):
-        b.put("huge", blob_record(5000))
-    assert "huge" not in b and "small" in b
-    assert "larger than max_bytes" in caplog.text
-
-
-def test_zero_budget_stores_nothing(redis_url):
-    b = mlxcache.open_backend(redis_url + "?max_bytes=0")
-    b.put("a", blob_record(1))
-    assert len(b) == 0 and b.get("a") is None
-    assert list(raw(redis_url).scan_iter()) == []
-
-
 def test_eviction_removes_chunks_of_chunked_victims(redis_url):
     one = stored_size(blob_record(3000))
     b = mlxcache.open_backend(redis_url, chunk_size=1024, max_bytes=2 * one)
@@ -444,28 +371,6 @@ def test_index_drift_is_cleaned_lazily(redis_url):
 
 
 # ---------------------------------------------------------------- arguments
-
-
-def test_wrong_argument_types_raise_before_sending(redis_url):
-    b = mlxcache.open_backend(redis_url)
-    with pytest.raises(TypeError):
-        b.get(1)
-    with pytest.raises(ValueError):
-        b.get("")
-    with pytest.raises(TypeError):
-        b.put(b"k", blob_record(1))
-    with pytest.raises(TypeError):
-        b.put("k", {"x": mx.ones(2)})
-    with pytest.raises(TypeError):
-        b.get_many(["a", None])
-    with pytest.raises(TypeError):
-        b.contains_many(["a", 3])
-    with pytest.raises(TypeError):
-        list(b.keys(5))
-    with pytest.raises(TypeError):
-        1 in b  # noqa: B015
-    assert list(raw(redis_url).scan_iter()) == []
-    assert b.stats()["errors"] == 0
 
 
 @pytest.mark.parametrize(
