@@ -48,6 +48,13 @@ def cmd_stats(args: argparse.Namespace) -> None:
         before = _errors(backend)
         stats = backend.stats()
         _check_reachable(backend, before, args.uri)
+        if args.prometheus:
+            try:  # prometheus_client is optional (the metrics extra)
+                from mlxcache.metrics import render
+            except ImportError as exc:
+                raise CLIError(str(exc)) from None
+            sys.stdout.write(render(backend).decode())
+            return
     if args.json:
         _print_json(stats)
     else:
@@ -218,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("stats", cmd_stats, "print a backend's stats")
     sp.add_argument("uri")
     sp.add_argument("--json", action="store_true", help="one JSON object")
+    sp.add_argument(
+        "--prometheus", action="store_true", help="Prometheus text format (the metrics extra)"
+    )
     sp = add("ls", cmd_ls, "list keys")
     sp.add_argument("uri")
     sp.add_argument("--prefix", default="")
