@@ -196,6 +196,8 @@ class PrefixCache:
         plan = self._plan(tokens, images, image_positions)
         n, bs = len(tokens), self.block_size
         layers = list(prompt_cache) if n else []
+        if n and not layers:
+            raise ValueError("prompt_cache is empty: store the cache objects of the prompt")
         if n:
             pr.check_lengths(layers, n)
         lay = pr.layout(layers)
