@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
+import mlx.core as mx
 import pytest
 from redis_server import RedisServer, free_port
 
@@ -209,3 +210,27 @@ def test_bad_cache_uri_is_one_line():
     run = subprocess.run(args, capture_output=True, text=True)
     assert run.returncode == 1
     assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr
+
+
+def test_the_end_of_a_response_waits_for_its_store():
+    from queue import Queue
+
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm_server import _HeldEnd
+
+    cache = SharedPromptCache(backend="memory://")
+    q: Queue = Queue()
+    held = _HeldEnd(q, cache, timeout=60)
+    held.put("a token")
+    held.put(None)  # the generation thread ends the response ...
+    assert q.get_nowait() == "a token" and q.empty()  # ... but it is held back
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+    cache.insert_cache(("m", None, None), [1, 2, 3], [c])  # ... until its cache is stored
+    assert q.get_nowait() is None and len(list(cache.backend.keys(""))) > 0
+    # without any insert (a failed request), the end still comes, after the timeout
+    held = _HeldEnd(q, SharedPromptCache(backend="memory://"), timeout=0.01)
+    held.put(None)
+    assert q.get(timeout=30) is None

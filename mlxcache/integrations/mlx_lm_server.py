@@ -83,8 +83,8 @@ def _key_name(model_key: Any, override: str | None) -> str:
 class _HeldEnd:
     """Forwards a response queue but holds its end marker until the prompt cache has stored."""
 
-    def __init__(self, queue: Queue, prompt_cache: Any) -> None:
-        self._queue, self._cache = queue, prompt_cache
+    def __init__(self, queue: Queue, prompt_cache: Any, timeout: float = END_TIMEOUT) -> None:
+        self._queue, self._cache, self._timeout = queue, prompt_cache, timeout
         self._lock = threading.Lock()
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
@@ -98,12 +98,13 @@ class _HeldEnd:
                 if sent[0]:
                     return
                 sent[0] = True
+            timer.cancel()
             self._queue.put(None)
 
-        self._cache.after_next_insert(release)
-        timer = threading.Timer(END_TIMEOUT, release)  # never hold a response forever
+        timer = threading.Timer(self._timeout, release)  # never hold a response forever
         timer.daemon = True
         timer.start()
+        self._cache.after_next_insert(release)
 
 
 class _Requests(Queue):
