@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import Row, Stats, have
+from benchmarks.common import Row, Stats, evaluate, have, time_runs
 
 SECTION = "server"
 # about 6 M parameters: a 2k-token prefill takes seconds on a busy 2-core CPU; KV 16 MB (fp32)
@@ -96,10 +96,96 @@ def _prompt(n_words: int, salt: int) -> str:
     )
 
 
+def _tinyllama_cache(n: int) -> list[Any]:
+    """A TinyLlama-shaped prompt cache: 22 KVCache layers, 4 KV heads of 64, fp16."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(0)
+    base = mx.random.normal((1, 4, n, 64), dtype=mx.float16)
+    out = []
+    for j in range(22):
+        c = KVCache()
+        c.update_and_fetch(base + j, base - j)
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def hot_tier_rows(ctx: Any, n: int) -> list[Row]:
+    """In one process: fetch and insert on mlx-lm's LRUPromptCache vs SharedPromptCache."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+
+    key = ("model", None, None)
+    tokens = list(range(1, n + 1))
+    cache = _tinyllama_cache(n)
+    nbytes = sum(c.nbytes for c in cache)
+    repeat = 3 if ctx.smoke else 20
+    plain = LRUPromptCache()
+    ours = SharedPromptCache(backend=f"file://{ctx.tmpdir / 'hot-store'}")
+    fresh = SharedPromptCache(backend=ours.backend)
+    rows: list[Row] = []
+    inserts: dict[str, Stats] = {}
+    for label, pc in (("LRUPromptCache", plain), ("SharedPromptCache (file://)", ours)):
+        pc.fetch_nearest_cache(key, tokens)
+        inserts[label] = time_runs(lambda pc=pc: pc.insert_cache(key, tokens, cache), 1)
+    fetches: dict[str, Stats] = {}
+    for label, pc in (("LRUPromptCache", plain), ("SharedPromptCache (file://)", ours)):
+        fetches[label] = time_runs(
+            lambda pc=pc: evaluate(pc.fetch_nearest_cache(key, tokens)[0]), repeat, warmup=1
+        )
+    miss = time_runs(lambda: evaluate(fresh.fetch_nearest_cache(key, tokens)[0]), 1)
+    base_f, base_i = fetches["LRUPromptCache"], inserts["LRUPromptCache"]
+    rows.append(Row(SECTION, "LRUPromptCache hot fetch", n, nbytes, "s", base_f, note="reference"))
+    rows.append(
+        Row(
+            SECTION,
+            "SharedPromptCache hot fetch",
+            n,
+            nbytes,
+            "s",
+            fetches["SharedPromptCache (file://)"],
+            baseline="LRUPromptCache hot fetch",
+            ratio=base_f.median / fetches["SharedPromptCache (file://)"].median,
+            ratio_kind="LRUPromptCache / ours (>1 = faster)",
+        )
+    )
+    rows.append(Row(SECTION, "LRUPromptCache insert", n, nbytes, "s", base_i, note="reference"))
+    rows.append(
+        Row(
+            SECTION,
+            "SharedPromptCache insert (stores to file://)",
+            n,
+            nbytes,
+            "s",
+            inserts["SharedPromptCache (file://)"],
+            baseline="LRUPromptCache insert",
+            note="what a store costs; mlxcache serve runs it on a writer thread",
+        )
+    )
+    rows.append(
+        Row(
+            SECTION,
+            "SharedPromptCache fetch from file:// (hot miss)",
+            n,
+            nbytes,
+            "s",
+            miss,
+            baseline="LRUPromptCache hot fetch",
+            note="another process's entry: longest + lookup + restore",
+        )
+    )
+    ours.close()
+    return rows
+
+
 def run(ctx: Any, prompt_tokens: int = 2048) -> list[Row]:
     if not have("mlx_lm") or not have("mlxcache.integrations.mlx_lm_server"):
         ctx.note("mlx-lm is not installed: the server TTFT rows are left out.")
         return []
+    rows = hot_tier_rows(ctx, 64 if ctx.smoke else prompt_tokens)
     from mlxcache.tiny_models import build_tiny_lm
 
     smoke = ctx.smoke
@@ -113,7 +199,6 @@ def run(ctx: Any, prompt_tokens: int = 2048) -> list[Row]:
     def log(name: str) -> Path:
         return logs / f"{name}.log"
 
-    rows: list[Row] = []
     base_cold, base_warm, base_restart = [], [], []
     ours: dict[str, list[float]] = {}
     ours_same: list[float] = []

@@ -174,6 +174,7 @@ def make_run(options: argparse.Namespace):
             identity=identity,
             block_size=options.cache_block_size,
             salt=options.cache_salt,
+            background=True,  # stores run beside generation; a response still waits for its own
         )
         log.info("mlxcache serve: prompt cache %r", prompt_cache)
         generator = _response_generator_class()(model_provider, prompt_cache)
