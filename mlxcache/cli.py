@@ -198,7 +198,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 64 or args.max_tokens < 1:
         raise CLIError("--prompt-tokens must be >= 64 and --max-tokens >= 1")
+    if args.model_kind == "lm":
+        from mlxcache.demo_lm import run_lm_demo
 
+        return run_lm_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
     return run_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
 
 
@@ -255,6 +258,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="prompt length"
     )
     sp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate")
+    sp.add_argument(
+        "--model-kind",
+        choices=("vlm", "lm"),
+        default="vlm",
+        help="vlm: cached generation with a tiny VLM; lm: mlxcache serve with a tiny llama",
+    )
     sp = add("serve", cmd_serve, "mlx-lm's OpenAI-compatible server on a persistent prompt cache")
     sp.add_argument("server_args", nargs=argparse.REMAINDER, help="see mlxcache serve --help")
     sp = add("import", cmd_import, "store an mlx-lm prompt-cache file as one record")

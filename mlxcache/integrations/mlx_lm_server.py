@@ -68,7 +68,7 @@ def lm_identity(model: Any, name: str) -> str:
     return model_identity(model, name=name)
 
 
-def _key_name(model_key: Any, override: str | None) -> str:
+def key_name(model_key: Any, override: str | None) -> str:
     """``--model`` (a local folder by its real path), adapter and draft model, joined."""
     parts = list(model_key) if isinstance(model_key, tuple | list) else [model_key]
     names = [
@@ -161,7 +161,7 @@ def make_run(options: argparse.Namespace):
 
         def identity(model_key: Any) -> str:
             if model_key not in names:
-                name = _key_name(model_key, options.cache_model_name)
+                name = key_name(model_key, options.cache_model_name)
                 model = model_provider.model if model_provider.model_key == model_key else None
                 names[model_key] = lm_identity(model, name) if model is not None else name
             return names[model_key]
