@@ -234,3 +234,12 @@ def test_the_end_of_a_response_waits_for_its_store():
     held = _HeldEnd(q, SharedPromptCache(backend="memory://"), timeout=0.01)
     held.put(None)
     assert q.get(timeout=30) is None
+
+
+def test_help_lists_ours_then_mlx_lms_options():
+    run = subprocess.run(
+        [sys.executable, "-m", "mlxcache", "serve", "--help"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    ours, theirs = run.stdout.index("--cache CACHE"), run.stdout.index("--prompt-cache-bytes")
+    assert ours < theirs and "--model MODEL" in run.stdout

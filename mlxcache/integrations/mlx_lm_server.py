@@ -29,6 +29,7 @@ def _options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlxcache serve",
         add_help=False,
+        allow_abbrev=False,  # never take one of mlx-lm's options for an abbreviation of ours
         description="mlx-lm's server (every mlx_lm.server option) with a persistent prompt "
         "cache. mlxcache's own options:",
     )
