@@ -156,6 +156,12 @@ def test_two_servers_share_one_redis(tiny_lm, servers, redis_url):
     assert n_f > n and cached_f > 0
     _, _, cached_fb = b.chat(follow)
     assert cached_fb == n_f - 1
+    # mlx-lm stores a system prompt as its own segment: a new conversation on the other
+    # server that shares it starts from it
+    system = {"role": "system", "content": "You are a storyteller who knows the hills and the sea."}
+    _, n_s, _ = a.chat([system, {"role": "user", "content": "A story about a cat."}])
+    _, n_t, cached_t = b.chat([system, {"role": "user", "content": "Now one about a bird."}])
+    assert 0 < cached_t < min(n_s, n_t) - 3
 
 
 def test_dead_redis_still_answers_uncached(tiny_lm, servers, tmp_path):
