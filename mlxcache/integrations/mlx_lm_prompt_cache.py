@@ -12,6 +12,7 @@ line, never an exception into the server.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import threading
@@ -21,6 +22,7 @@ from queue import Queue
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
@@ -32,13 +34,17 @@ log = logging.getLogger("mlxcache")
 
 # cache classes whose trim() only moves counters, so a shallow copy can be trimmed safely
 _COUNTER_TRIM = {"KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}
-_RECENT_PROMPTS = 256
+_RECENT_PROMPTS = 64  # prompts remembered (as fingerprints) to store their length minus one
 
 
 def default_identity(model_key: Any) -> str:
     """A model identity from mlx-lm's model key ``(model_path, adapter_path, draft_path)``."""
     parts = model_key if isinstance(model_key, tuple | list) else (model_key,)
     return "mlx-lm-key:" + json.dumps([None if p is None else str(p) for p in parts])
+
+
+def _digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 def _holds(prompt_cache: Sequence[Any]) -> int | None:
@@ -101,7 +107,8 @@ class SharedPromptCache(LRUPromptCache):
             else:
                 self.backend, self._owns_backend = open_backend(backend), True
         self._prefix: dict[str, PrefixCache] = {}
-        self._recent: deque[tuple[Any, tuple[int, ...]]] = deque(maxlen=_RECENT_PROMPTS)
+        # (model key, length, last token, digest) of recently fetched prompts: a few bytes each
+        self._recent: deque[tuple[Any, int, int, bytes]] = deque(maxlen=_RECENT_PROMPTS)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("fetches", "hot_hits", "backend_hits", "misses", "tokens_hot", "tokens_backend",
@@ -137,7 +144,8 @@ class SharedPromptCache(LRUPromptCache):
         ``len(tokens) - 1`` tokens (the last one is always run).
         """
         self._count(fetches=1)
-        self._recent.append((model, tuple(tokens)))
+        if tokens:
+            self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
         hot = len(tokens) - len(rest) if cache is not None else 0
         hit = self._lookup(model, tokens, hot) if hot < len(tokens) - 1 else None
@@ -249,11 +257,11 @@ class SharedPromptCache(LRUPromptCache):
     def _prompt_of(self, model: Any, tokens: list[int]) -> int | None:
         """The length of the longest recently fetched prompt that ``tokens`` extends."""
         best = None
-        for m, p in self._recent:
-            n = len(p)
-            if m == model and n <= len(tokens) and (best is None or n > best):
-                if n and tokens[n - 1] == p[-1] and tuple(tokens[:n]) == p:
-                    best = n
+        for m, n, last, digest in self._recent:
+            if m != model or n > len(tokens) or (best is not None and n <= best):
+                continue
+            if tokens[n - 1] == last and _digest(tokens[:n]) == digest:
+                best = n
         return best
 
     # ---------------------------------------------------------------- response gating
