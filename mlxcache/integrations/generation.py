@@ -30,6 +30,7 @@ class Prefill:
     vision_cached: bool = False  # image features came from the cache: the encoder did not run
     cached: bool = True  # False when the model or its cache classes ran uncached
     decode_kwargs: dict[str, Any] = field(default_factory=dict)  # per decode step
+    token_ids: list[int] = field(default_factory=list)  # the prompt (for logits processors)
 
 
 @dataclass
@@ -64,11 +65,15 @@ class GenerationStep:
 
 
 class TextStream(Protocol):
-    """Turns tokens into text deltas: ``add`` per token, ``finish`` once; ``text`` is all."""
+    """Turns tokens into text deltas: ``add`` per token, ``finish`` once; ``text`` is all.
+
+    ``add(token, last=True)`` adds the last token and flushes what was held back (it replaces
+    ``finish``).
+    """
 
     text: str
 
-    def add(self, token: int) -> str: ...
+    def add(self, token: int, last: bool = False) -> str: ...
 
     def finish(self) -> str: ...
 
@@ -120,15 +125,15 @@ class Detokenizer:
         self.tokens: list[int] = []
         self.text = ""
 
-    def add(self, token: int) -> str:
+    def add(self, token: int, last: bool = False) -> str:
         if self.tokenizer is None:
             return ""
         self.tokens.append(token)
         text = self.tokenizer.decode(self.tokens)
         if text.endswith("\ufffd") or not text.startswith(self.text):
-            return ""
+            return self.finish() if last else ""
         delta, self.text = text[len(self.text) :], text
-        return delta
+        return delta + (self.finish() if last else "")
 
     def finish(self) -> str:
         if self.tokenizer is None:
@@ -170,11 +175,11 @@ def stream_result(
             result.time_to_first_token = now
         result.tokens.append(token)
         result.total_time = now
-        delta = text.add(token) if text is not None else ""
-        if token in eos or len(result.tokens) == max_tokens:
+        last = token in eos or len(result.tokens) == max_tokens
+        delta = text.add(token, last) if text is not None else ""
+        if last:
             result.finish_reason = "stop" if token in eos else "length"
             if text is not None:
-                delta += text.finish()
                 result.text = text.text
             finished = True
         yield GenerationStep(token, delta, result)

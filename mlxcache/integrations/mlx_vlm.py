@@ -196,6 +196,7 @@ def prefill(
         vision_cached=vision_cached,
         cached=use_cache,
         decode_kwargs=decode_kwargs,
+        token_ids=tokens,
     )
 
 

@@ -80,9 +80,14 @@ class Found:
 
 
 def lookup(
-    cache: Any, tokens: Sequence[int], fresh: Sequence[Any], *, images: Sequence[Any] = ()
+    cache: Any,
+    tokens: Sequence[int],
+    fresh: Sequence[Any],
+    *,
+    images: Sequence[Any] = (),
+    fits: Callable[[Sequence[Any], Sequence[Any]], bool] = same_layout,
 ) -> Found:
-    """The longest cached prefix of ``tokens[:-1]`` whose layout matches ``fresh``.
+    """The longest cached prefix of ``tokens[:-1]`` whose layout ``fits`` the ``fresh`` cache.
 
     ``cache`` is a ``PrefixCache`` or None (nothing found). The last token is never looked up:
     it runs after the restore so its logits come from the model. A prefix with another layout
@@ -94,7 +99,7 @@ def lookup(
     vision = getattr(hit, "vision_embeddings", None)
     if hit is not None and (hit.num_tokens <= 0 or hit.prompt_cache is None):
         hit = None  # only the images' embeddings were found
-    if hit is not None and not same_layout(hit.prompt_cache, fresh):
+    if hit is not None and not fits(hit.prompt_cache, fresh):
         log.warning("mlxcache: cached prefix has another cache layout; ignoring it")
         hit = None
     return Found(hit, vision)
