@@ -87,10 +87,12 @@ def model_identity(
     """``model_type[:name]/cfg-<digest>/q-<bits>b<group>[/w-<digest>][@revision]``.
 
     Accepts an mlx-vlm model (its ``.config``) or an mlx-lm model (its ``.args``), quantization
-    read from its layers; a config dict or a model folder (``config.json``). A model object also adds a digest of its
-    parameters' names, shapes and dtypes; ``hash_weights=True`` adds their bytes too (exact,
-    about a second per GB). Give ``revision`` (a commit, a checkpoint tag) when two weight
-    sets share a config, e.g. fine-tunes: otherwise they would share KV.
+    read from its layers; a config dict or a model folder (``config.json``). A model object
+    also adds a digest of its parameters' names, shapes and dtypes; ``hash_weights=True`` adds
+    their bytes too (exact, about a second per GB). Give ``revision`` (a commit, a checkpoint
+    tag) when two weight sets share a config, e.g. fine-tunes: otherwise they would share KV.
+    A loaded mlx-lm model's ``.args`` keep only the keys its architecture reads, so its
+    identity differs from its folder's (use one form on every process that shares a cache).
     """
     cfg = _config_of(model_or_config)
     model_type = cfg.get("model_type") or "model"
