@@ -39,6 +39,7 @@ __all__ = [
     "Prefill",
     "cached_generate",
     "decode",
+    "encode_prompt",
     "generate_tokens",
     "prefill",
     "stream_cached_generate",
