@@ -210,15 +210,26 @@ class PrefixCache:
         if n:
             pr.check_lengths(layers, n)
         lay = pr.layout(layers)
-        blocks, tail_key, vkey = self._store_keys(plan, n, vision_embeddings is not None)
-        keys = [k for k, _, _ in blocks] + [k for k in (tail_key, vkey) if k]
+        n_full, r = divmod(n, bs)
+        # (key, block index, tokens in it) for blocks; then the tail; then the vision entry
+        blocks = [(self._key("b", h), i, bs) for i, h in enumerate(plan.full(n_full))]
+        if r:
+            blocks.append((self._key("b", plan.partial(n_full, r)), n_full, r))
+        keys = [k for k, _, _ in blocks]
+        tail_key = (
+            self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1]) if n else None
+        )
+        if tail_key:
+            keys.append(tail_key)
+        vkey = self._vision_key(plan) if vision_embeddings is not None else None
+        if vkey:
+            keys.append(vkey)
         if not keys:
             return 0
         exists = self.backend.contains_many(keys)
         # build what can fail (unsupported checkpoint classes, bad extras) before any put
         tail = vision = None
         if tail_key and not exists[len(blocks)]:
-            n_full, r = divmod(n, bs)
             last = n_full if r else n_full - 1
             tail = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
         if vkey and not exists[-1]:
@@ -241,22 +252,6 @@ class PrefixCache:
         written = sum(m for (_, m), ok in zip(put, kept, strict=True) if ok)
         self._count(stores=1, tokens_written=written, records_written=sum(kept))
         return written
-
-    def _store_keys(
-        self, plan: _Plan, n: int, vision: bool
-    ) -> tuple[list[tuple[str, int, int]], str | None, str | None]:
-        """The keys a store of ``n`` tokens may write: (key, block index, tokens in it) of
-        each block (the last one partial), the tail of this exact length, the vision entry."""
-        bs = self.block_size
-        n_full, r = divmod(n, bs)
-        blocks = [(self._key("b", h), i, bs) for i, h in enumerate(plan.full(n_full))]
-        if r:
-            blocks.append((self._key("b", plan.partial(n_full, r)), n_full, r))
-        tail_key = None
-        if n:
-            tail_key = self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1])
-        vkey = self._vision_key(plan) if vision else None
-        return blocks, tail_key, vkey
 
     # ------------------------------------------------------------ lookup
 
