@@ -418,6 +418,34 @@ class PrefixCache:
             return None
         return PrefixHit(num, cache, extras)
 
+    def longest(
+        self,
+        token_ids: Any,
+        *,
+        images: Sequence[Any] = (),
+        image_positions: Sequence[int] | None = None,
+    ) -> int:
+        """At most how many leading tokens ``lookup`` could restore, reading no record.
+
+        The same ``contains_many`` as ``lookup`` and nothing else: a caller that already has a
+        prefix of some length (an in-process tier) calls ``lookup`` only when this is longer.
+        """
+        tokens = _tokens(token_ids)
+        plan = self._plan(tokens, list(images), image_positions)
+        n_full, r = divmod(len(tokens), self.block_size)
+        full = plan.full(n_full)
+        trail = [plan.partial(n_full, m) for m in range(1, r + 1)]
+        keys = [self._key("b", h) for h in full] + [self._key("t", p) for p in trail]
+        found = self.backend.contains_many(keys) if keys else []
+        k = next((i for i, f in enumerate(found[:n_full]) if not f), n_full)
+        if k == n_full:
+            part = [m for m, f in zip(range(1, r + 1), found[n_full:], strict=True) if f]
+        else:
+            cands = [plan.partial(k, m) for m in range(1, self.block_size)]
+            there = self.backend.contains_many([self._key("t", p) for p in cands])
+            part = [m for m, f in zip(range(1, self.block_size), there, strict=True) if f]
+        return k * self.block_size + (part[-1] if part else 0)
+
     # ------------------------------------------------------------ the rest
 
     def stats(self) -> dict[str, Any]:
