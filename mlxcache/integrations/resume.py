@@ -19,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.prefix import PrefixHit
-from mlxcache.serializers.adapters import adapter_for
+from mlxcache.serializers import adapters
 
 log = logging.getLogger("mlxcache")
 
@@ -47,9 +47,7 @@ def cache_call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> 
 def unsupported_cache_reason(prompt_cache: Sequence[Any]) -> str | None:
     """Why this (fresh) prompt cache cannot be stored, or None: a class with no adapter."""
     for c in prompt_cache:
-        try:
-            adapter_for(c)
-        except Exception:
+        if adapters.find(c) is None:
             return f"cache class {type(c).__module__}.{type(c).__name__} is not supported"
     return None
 
