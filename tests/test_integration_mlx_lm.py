@@ -407,6 +407,28 @@ def test_token_ids_and_progress(tiny_lm):
         cached_generate(model, tiny_lm[1], "hi", max_tokens=0)
 
 
+def test_another_prompt_reuses_only_the_shared_blocks(tiny_lm):
+    """A prompt that differs at token 40 reuses the two whole blocks before it, nothing more."""
+    from mlxcache.integrations.mlx_lm import generate_tokens, stream_generate_tokens
+    from mlxcache.prefix import PrefixCache
+
+    model, tokenizer, _ = tiny_lm
+    cache = PrefixCache("memory://", model="tiny-mlx-lm-test", block_size=16)
+    ids = prompt_ids(60)
+    generate_tokens(model, ids, cache=cache, max_tokens=2)
+    other = ids[:40] + prompt_ids(20, seed=9)
+    expected = generate_tokens(model, other, max_tokens=4)
+    steps = list(
+        stream_generate_tokens(model, other, cache=cache, max_tokens=4, tokenizer=tokenizer)
+    )
+    r = steps[-1].result
+    assert r.cached_tokens == 32 and r.tokens == expected.tokens == [s.token for s in steps]
+    assert r.text == "".join(s.text for s in steps) == tokenizer.decode(r.tokens)
+    assert (
+        generate_tokens(model, prompt_ids(60, seed=5), cache=cache, max_tokens=1).cached_tokens == 0
+    )
+
+
 def test_unsupported_cache_class_runs_uncached(tmp_path, caplog):
     import mlx_lm
     from mlx_lm.models.cache import KVCache
