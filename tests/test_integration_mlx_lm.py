@@ -340,14 +340,25 @@ def test_text_generation_matches_mlx_lm_with_eos_and_logits_processors(tiny_lm):
     cache = PrefixCache("memory://", model="tiny-mlx-lm-test", block_size=16)
 
     # logits processors see the whole prompt, cached part included
-    procs = {"logits_processors": make_logits_processors(repetition_penalty=1.5)}
+    seen: list[list[int]] = []
+
+    def record(tokens, logits):
+        seen.append(tokens.tolist())
+        return logits
+
+    penalty = make_logits_processors(presence_penalty=2.0, presence_context_size=1000)
+    procs = {"logits_processors": [record, *penalty]}
     ref = mlx_lm.generate(model, tokenizer, chat, max_tokens=12, **procs)
+    ref_seen, seen[:] = list(seen), []
     plain = mlx_lm.generate(model, tokenizer, chat, max_tokens=12)
     assert ref != plain  # the penalty changes the answer, so the next asserts mean something
     for expect_cached in (False, True):
         r = cached_generate(model, tokenizer, chat, cache=cache, max_tokens=12, **procs)
         assert r.text == ref and (r.cached_tokens > 0) is expect_cached
         assert r.finish_reason == "length" and len(r.tokens) == 12
+        # the same token history at every step (mlx-lm's pipelined loop runs one step more)
+        assert len(seen) == 12 and seen == ref_seen[:12]
+        seen.clear()
 
     # an EOS token stops generation before its text, as in mlx_lm.stream_generate
     tokens = cached_generate(model, tokenizer, chat, cache=cache, max_tokens=12).tokens
