@@ -68,6 +68,29 @@ class Server:
         text = out["choices"][0]["message"]["content"]
         return text, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
 
+    def stream_chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int]:
+        """The same over server-sent events, with the usage chunk at the end."""
+        body = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        text, usage = [], None
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("delta", {}).get("content") or "")
+                usage = chunk.get("usage") or usage
+        assert usage is not None
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        return "".join(text), usage["prompt_tokens"], cached
+
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")
@@ -110,6 +133,8 @@ def test_repeat_then_restart_on_file_cache(tiny_lm, servers, tmp_path):
     assert (warm, n3) == (cold, n)
     assert cached == n - 1
     assert "hot 0 entries" in second.log()  # a new process: it came from the folder
+    # streamed, the usage chunk reports the same
+    assert second.stream_chat() == (cold, n, n - 1)
 
 
 def test_two_servers_share_one_redis(tiny_lm, servers, redis_url):
