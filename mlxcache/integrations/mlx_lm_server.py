@@ -10,7 +10,6 @@ answering has lost nothing it answered.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -51,21 +50,10 @@ def _options() -> argparse.ArgumentParser:
     return p
 
 
-class _Model:
-    """What ``model_identity`` reads: mlx-lm models carry ``.args``, not ``.config``."""
-
-    def __init__(self, model: Any) -> None:
-        args = getattr(model, "args", None)
-        self.config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {}
-        self.parameters, self.modules = model.parameters, model.modules
-
-
 def lm_identity(model: Any, name: str) -> str:
     """The ``PrefixCache`` model identity of a loaded mlx-lm model called ``name``."""
     from mlxcache.model_id import model_identity
 
-    if getattr(model, "config", None) is None:
-        model = _Model(model)
     return model_identity(model, name=name)
 
 
