@@ -270,8 +270,9 @@ def _damage(path: Path, how: str) -> None:
     elif how == "foreign":
         mx.save_safetensors(str(path), {"a": mx.zeros((300,), dtype=mx.bfloat16)})
     elif how == "newer":
-        assert b'"format_version":"1"' in blob
-        path.write_bytes(blob.replace(b'"format_version":"1"', b'"format_version":"9"'))
+        from record_bytes import with_version
+
+        path.write_bytes(with_version(blob, 9))
     elif how == "missing":
         path.unlink()
 

@@ -428,7 +428,9 @@ def test_newer_format_version_is_a_miss_and_kept(redis_url, caplog):
     b = mlxcache.open_backend(redis_url)
     r = raw(redis_url)
     blob = st.to_bytes(blob_record(10))
-    r.set("mlxcache:v:future", blob.replace(b'"format_version":"1"', b'"format_version":"9"'))
+    from record_bytes import with_version
+
+    r.set("mlxcache:v:future", with_version(blob, 9))
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         assert b.get("future") is None
     assert "version 9" in caplog.text and r.exists("mlxcache:v:future")
