@@ -19,10 +19,8 @@ client sees one true total and evicts by one LRU order. See docs/backends.md.
 from __future__ import annotations
 
 import re
-import threading
-import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
@@ -34,14 +32,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from mlxcache import format as st
-from mlxcache.backends.base import (
-    BackendBase,
-    Counters,
-    RateLimitedLog,
-    check_key,
-    check_record,
-    log,
-)
+from mlxcache.backends.base import BackendBase, log
 from mlxcache.backends.redis_chunks import (
     complete_chunks,
     is_manifest,
@@ -89,6 +80,9 @@ class RedisBackend(BackendBase):
     ``backoff`` to ``max_backoff`` seconds, then tried again.
     """
 
+    scheme = "redis"
+    _unreachable = _UNREACHABLE
+
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",
@@ -110,19 +104,13 @@ class RedisBackend(BackendBase):
             raise ValueError(f"ttl must be > 0 seconds or None, got {ttl!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
         if not 0 < chunk_size <= REDIS_MAX_STRING:
             raise ValueError(f"chunk_size must be in 1..{REDIS_MAX_STRING} bytes, got {chunk_size}")
-        if not 0 < backoff <= max_backoff:
-            raise ValueError(f"need 0 < backoff <= max_backoff, got {backoff}, {max_backoff}")
+        super().__init__(max_bytes=max_bytes, backoff=backoff, max_backoff=max_backoff)
         self.prefix = prefix
         self.ttl = ttl
         self.timeout = timeout
-        self.max_bytes = max_bytes
         self.chunk_size = chunk_size
-        self.backoff = backoff
-        self.max_backoff = max_backoff
         self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
         self.pool = redis.ConnectionPool.from_url(
             url,
@@ -137,21 +125,14 @@ class RedisBackend(BackendBase):
         self._index = [
             prefix + "i:" + n for n in ("lru", "size", "exp", "chunks", "total", "clock")
         ]
-        self._counters = Counters()
-        self._log = RateLimitedLog()
-        self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._delay = backoff
         if max_bytes is not None:
-            self._evict_to(max_bytes)  # opening with a budget enforces it (``mlxcache gc``)
+            self.trim(max_bytes)  # opening with a budget enforces it (``mlxcache gc``)
 
-    def _evict_to(self, max_bytes: int) -> None:
-        try:
-            evicted = int(self._script("evict", self._index, [max_bytes]))
-        except _FAILURES as exc:
-            self._failed("evict", exc)
-            return
-        self._counters.add("evictions", evicted)
+    def where(self) -> str:
+        return self.url
+
+    def _trim(self, max_bytes: int) -> int:
+        return int(self._script("evict", self._index, [max_bytes]))
 
     # ------------------------------------------------------------ keys and state
 
@@ -160,29 +141,6 @@ class RedisBackend(BackendBase):
 
     def _ckey(self, gen: str, i: int) -> str:
         return f"{self.prefix}c:{gen}:{i}"
-
-    def _skipping(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    def _ok(self) -> None:
-        if self._delay != self.backoff:
-            with self._lock:
-                self._delay = self.backoff
-
-    def _failed(self, op: str, exc: BaseException, n: int = 1) -> None:
-        """Count and log a failure; an unreachable server is skipped for a growing backoff."""
-        self._counters.add("errors", n)
-        if isinstance(exc, _UNREACHABLE):
-            with self._lock:
-                delay = self._delay
-                self._down_until = time.monotonic() + delay
-                self._delay = min(delay * 2, self.max_backoff)
-            self._log.warning(
-                "down", "redis cache %s unreachable during %s (%s); retrying in %.1fs",
-                self.url, op, exc, delay,
-            )  # fmt: skip
-        else:
-            self._log.warning(op, "redis cache %s: %s failed: %s", self.url, op, exc)
 
     def _eval(self, target: Any, name: str, keys: list[str], args: list[Any]) -> Any:
         return target.evalsha(SHAS[name], len(keys), *keys, self.prefix, *args)
@@ -199,20 +157,9 @@ class RedisBackend(BackendBase):
             self._load_scripts()
             return self._eval(self.client, name, keys, args)
 
-    def header(self, key: str) -> st.Header | None:
+    def _header(self, key: str) -> st.Header | None:
         """A record's header without its tensor data (``mlxcache inspect``); None if absent."""
-        check_key(key)
-        if self._skipping():
-            self._counters.add("errors")
-            return None
-        try:
-            return self._read_header(self._vkey(key))
-        except _FAILURES as exc:
-            self._failed("header", exc)
-        except FormatError as exc:
-            self._counters.add("errors")
-            log.warning("redis cache: unreadable header of %r: %s", key, exc)
-        return None
+        return self._read_header(self._vkey(key))
 
     def _read_header(self, vkey: str) -> st.Header | None:
         """Read the first bytes of a value until its header fits (across chunks if need be)."""
@@ -239,32 +186,14 @@ class RedisBackend(BackendBase):
 
     # ------------------------------------------------------------ writing
 
-    def put(self, key: str, record: Record) -> None:
-        check_key(key)
-        check_record(record)
-        if self.max_bytes == 0:
-            return
-        if self._skipping():
-            self._counters.add("errors")
-            return
+    def _prepare(self, key: str, record: Record) -> tuple[bytes, int]:
         blob = st.to_bytes(record)  # raises on a bad dtype before anything is sent
-        if self.max_bytes is not None and len(blob) > self.max_bytes:
-            log.warning(
-                "redis cache: refusing %r (%d bytes) larger than max_bytes=%d",
-                key, len(blob), self.max_bytes,
-            )  # fmt: skip
-            return
-        try:
-            if len(blob) <= self.chunk_size:
-                evicted = self._put_whole(key, blob)
-            else:
-                evicted = self._put_chunked(key, blob)
-        except _FAILURES as exc:
-            self._failed("put", exc)
-            return
-        self._ok()
-        if evicted:
-            self._counters.add("evictions", evicted)
+        return blob, len(blob)
+
+    def _put(self, key: str, blob: bytes, size: int) -> int:
+        if size <= self.chunk_size:
+            return self._put_whole(key, blob)
+        return self._put_chunked(key, blob)
 
     def _commit_args(self, key: str, size: int, info: str, manifest: bytes) -> list[Any]:
         max_bytes = -1 if self.max_bytes is None else self.max_bytes
@@ -305,32 +234,10 @@ class RedisBackend(BackendBase):
 
     # ------------------------------------------------------------ reading
 
-    def get(self, key: str) -> Record | None:
-        check_key(key)
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: Iterable[str]) -> list[Record | None]:
+    def _get_many(self, keys: list[str]) -> list[Record | None]:
         """Fetch many records in one pipelined round trip (plus one for chunked values)."""
-        keys = [check_key(k) for k in keys]
-        if not keys:
-            return []
-        n = len(keys)
-        if self._skipping():
-            self._counters.add("errors", n)
-            self._counters.add("misses", n)
-            return [None] * n
-        try:
-            blobs = self._fetch(keys)
-        except _FAILURES as exc:
-            self._failed("get", exc, n)
-            self._counters.add("misses", n)
-            return [None] * n
-        self._ok()
-        out = [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
-        hits = sum(r is not None for r in out)
-        self._counters.add("hits", hits)
-        self._counters.add("misses", n - hits)
-        return out
+        blobs = self._fetch(keys)
+        return [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
 
     def _fetch(self, keys: list[str]) -> list[Value]:
         pipe = self.client.pipeline(transaction=False)
@@ -387,135 +294,71 @@ class RedisBackend(BackendBase):
                 return st.from_buffers(value, consume=True)
             return st.from_bytes(value)
         except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
-            self._log.warning("version", "redis cache: skipping %r: %s", key, exc)
+            self._rlog.warning("version", "redis cache: skipping %r: %s", key, exc)
             return None
         except MemoryError:
-            self._counters.add("errors")
-            self._log.warning("memory", "redis cache: out of memory decoding %r", key)
+            self.error("get", f"out of memory decoding {key!r}")
             return None
         except FormatError as exc:
-            self._counters.add("errors")
+            self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
             log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
             try:
                 self._script("drop", self._index, [key])
             except _FAILURES as err:
-                self._failed("delete", err)
+                self.error("delete", err)
             return None
 
     # ------------------------------------------------------------ the rest of the protocol
 
-    def delete(self, key: str) -> bool:
-        check_key(key)
-        if self._skipping():
-            self._counters.add("errors")
-            return False
-        try:
-            existed = self._script("drop", self._index, [key])
-        except _FAILURES as exc:
-            self._failed("delete", exc)
-            return False
-        self._ok()
-        return bool(existed)
+    def _delete(self, key: str) -> bool:
+        return bool(self._script("drop", self._index, [key]))
 
-    def __contains__(self, key: object) -> bool:
-        return self.contains_many([check_key(key)])[0]
-
-    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+    def _contains_many(self, keys: list[str]) -> list[bool]:
         """EXISTS for many keys in one pipelined round trip."""
-        keys = [check_key(k) for k in keys]
-        if not keys:
-            return []
-        if self._skipping():
-            self._counters.add("errors")
-            return [False] * len(keys)
-        try:
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self._vkey(k))
-            found = pipe.execute()
-        except _FAILURES as exc:
-            self._failed("contains", exc)
-            return [False] * len(keys)
-        self._ok()
-        return [bool(x) for x in found]
+        pipe = self.client.pipeline(transaction=False)
+        for k in keys:
+            pipe.exists(self._vkey(k))
+        return [bool(x) for x in pipe.execute()]
 
-    def keys(self, prefix: str = "") -> Iterator[str]:
+    def _keys(self, prefix: str) -> Iterator[str]:
         """User keys starting with ``prefix`` (SCAN, never KEYS; internal keys never listed)."""
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        return self._scan(prefix)
-
-    def _scan(self, prefix: str) -> Iterator[str]:
-        if self._skipping():
-            self._counters.add("errors")
-            return
         start = len(self.prefix.encode()) + 2
         pattern = glob_escape(self._vkey(prefix)) + "*"
         seen: set[bytes] = set()
-        try:
-            for raw in self.client.scan_iter(match=pattern, count=1000):
-                if raw not in seen:
-                    seen.add(raw)
-                    yield raw[start:].decode("utf-8", "replace")
-        except _FAILURES as exc:
-            self._failed("keys", exc)
-            return
-        self._ok()
+        for raw in self.client.scan_iter(match=pattern, count=1000):
+            if raw not in seen:
+                seen.add(raw)
+                yield raw[start:].decode("utf-8", "replace")
 
-    def _index_stats(self) -> tuple[int, int] | None:
-        if self._skipping():
-            self._counters.add("errors")
-            return None
-        try:
-            entries, nbytes = self._script("stats", self._index, [])
-        except _FAILURES as exc:
-            self._failed("stats", exc)
-            return None
-        self._ok()
-        return int(entries), int(nbytes)
+    def _count(self) -> int:
+        return int(self._script("stats", self._index, [])[0])
 
-    def __len__(self) -> int:
-        found = self._index_stats()
-        return 0 if found is None else found[0]
-
-    def clear(self) -> None:
+    def _clear(self) -> None:
         """Remove every key under our prefix (SCAN + UNLINK); other keys are untouched."""
-        if self._skipping():
-            self._counters.add("errors")
-            return
         pattern = glob_escape(self.prefix) + "[vci]:*"
-        try:
-            batch: list[bytes] = []
-            for raw in self.client.scan_iter(match=pattern, count=1000):
-                batch.append(raw)
-                if len(batch) >= 1000:
-                    self.client.unlink(*batch)
-                    batch.clear()
-            if batch:
+        batch: list[bytes] = []
+        for raw in self.client.scan_iter(match=pattern, count=1000):
+            batch.append(raw)
+            if len(batch) >= 1000:
                 self.client.unlink(*batch)
-        except _FAILURES as exc:
-            self._failed("clear", exc)
-            return
-        self._ok()
+                batch.clear()
+        if batch:
+            self.client.unlink(*batch)
 
-    def stats(self) -> dict[str, Any]:
-        """Entries and bytes from the shared index; hits/misses/evictions/errors of this process."""
-        found = self._index_stats()
-        entries, nbytes = found if found is not None else (0, 0)
+    def _stats(self) -> dict[str, Any]:
+        """Entries and bytes from the shared index (hits/misses/...: this process's)."""
+        entries, nbytes = self._script("stats", self._index, [])
+        return {"entries": int(entries), "bytes": int(nbytes)}
+
+    def describe(self) -> dict[str, Any]:
         return {
-            "backend": "redis",
             "url": self.url,
             "prefix": self.prefix,
-            "entries": entries,
-            "bytes": nbytes,
-            "max_bytes": self.max_bytes,
             "ttl": self.ttl,
             "chunk_size": self.chunk_size,
-            "available": found is not None,
-            **self._counters.snapshot(),
         }
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Close pooled connections (a later call would open new ones)."""
         self.pool.disconnect()
 
