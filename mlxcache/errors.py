@@ -9,6 +9,6 @@ class UnsupportedVersionError(FormatError):
     """A record written by a newer (or unknown) mlxcache format version."""
 
 
-class AuthenticationError(FormatError):
+class UntrustedRecordError(FormatError):
     """A record without a valid MAC for this cache's secret: unsigned, forged, replayed from
     another key, or signed with a secret this reader does not accept."""

@@ -28,7 +28,7 @@ import numpy as np
 import xxhash
 
 from mlxcache import meta as meta_codec
-from mlxcache.errors import AuthenticationError, FormatError, UnsupportedVersionError
+from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
 from mlxcache.record import Record
 from mlxcache.signing import MAC_ALGO, Signer
 
@@ -363,14 +363,16 @@ def _verify(
     if not isinstance(key, str):
         raise TypeError("verifying a signed record needs its cache key (key=str)")
     if header.mac is None:
-        raise AuthenticationError("unsigned record: this cache accepts only signed records")
+        raise UntrustedRecordError("unsigned record: this cache accepts only signed records")
     algo, _, rest = header.mac.partition(":")
     key_id, _, expected = rest.partition(":")
     if algo != MAC_ALGO or not re.fullmatch(r"[0-9a-f]{64}", expected):
-        raise AuthenticationError(f"malformed MAC {header.mac!r:.40}")
+        raise UntrustedRecordError(f"malformed MAC {header.mac!r:.40}")
     hasher = signer.hasher(key_id)
     if hasher is None:
-        raise AuthenticationError(f"signed with a secret not accepted here (key id {key_id!r:.20})")
+        raise UntrustedRecordError(
+            f"signed with a secret not accepted here (key id {key_id!r:.20})"
+        )
     _, actual = _digest(
         header.meta_bytes, header.tensors, buffers(), checksum=False, mac=hasher, key=key
     )
@@ -378,7 +380,7 @@ def _verify(
         checksum, _ = _digest(header.meta_bytes, header.tensors, buffers(), checksum=True)
         if checksum != header.checksum:  # a second pass only on failure, to name the cause
             raise FormatError("checksum mismatch: the record is corrupt")
-        raise AuthenticationError("MAC mismatch: forged, or replayed from another key")
+        raise UntrustedRecordError("MAC mismatch: forged, or replayed from another key")
 
 
 def _record(arrays: dict[str, mx.array], meta: dict[str, Any]) -> Record:
@@ -438,7 +440,7 @@ def from_buffers(
     With ``consume=True`` the caller hands over ``chunks`` (a list): each entry is set to None
     once its bytes are in the arrays, so peak memory is one record plus a chunk, not two.
     With a ``signer`` only a record signed for ``key`` with an accepted secret is returned
-    (else AuthenticationError). Any other bad input is a FormatError.
+    (else UntrustedRecordError). Any other bad input is a FormatError.
     """
     blob = _Chunks(chunks)
     n = _header_length(blob.span(0, min(8, blob.size)))

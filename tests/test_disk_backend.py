@@ -594,14 +594,14 @@ def test_entry_replaced_or_deleted_while_being_read_is_no_error(tmp_path, monkey
     real_read = disk.st.read_file
     calls = []
 
-    def read_file(path):
+    def read_file(path, **kw):
         if not calls:  # another process changes the entry between lookup and read
             if race == "re-put":
                 writer.put("k", make_record("k", 300))
             else:
                 writer.delete("k")
         calls.append(path)
-        return real_read(path)
+        return real_read(path, **kw)
 
     monkeypatch.setattr(disk.st, "read_file", read_file)
     got = reader.get("k")

@@ -85,7 +85,7 @@ def is_persistent(backend: CacheBackend) -> bool:
 class Counters:
     """Thread-safe hit/miss/eviction/error counters for ``stats()``."""
 
-    NAMES = ("hits", "misses", "evictions", "errors")
+    NAMES = ("hits", "misses", "evictions", "errors", "rejected")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
