@@ -168,23 +168,31 @@ def cmd_copy(args: argparse.Namespace) -> None:
         print(f"copied {copied} of {len(keys)} entries")
 
 
+def _failures(backend: CacheBackend) -> int:
+    stats = backend.stats()
+    return int(stats.get("errors", 0)) + int(stats.get("rejected", 0))
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Read every record (the backends verify each checksum) and report the bad ones."""
+    """Read every record (the backends verify each checksum, or MAC with a secret) and report
+    the bad ones with why: corrupt, unsigned, forged or signed with a secret not accepted."""
     bad: list[str] = []
+    why: dict[str, str] = {}
     with _open(args.uri) as backend:
         keys = sorted(backend.keys(args.prefix))
         with Progress("verify", len(keys)) as bar:
             for key in keys:
-                before = _errors(backend)
-                if backend.get(key) is None and _errors(backend) > before:
+                before = _failures(backend)
+                if backend.get(key) is None and _failures(backend) > before:
                     bad.append(key)
+                    why[key] = str(getattr(backend, "last_error", None) or "unreadable")
                 bar.advance()
     if args.json:
-        _print_json({"checked": len(keys), "bad": bad})
+        _print_json({"checked": len(keys), "bad": bad, "reasons": why})
     else:
         print(f"checked {len(keys)} entries, {len(bad)} bad")
         for key in bad:
-            print(f"bad: {key}")
+            print(f"bad: {key}: {why[key]}")
     return 1 if bad else 0
 
 

@@ -296,6 +296,7 @@ class DiskBackend(BackendBase):
         """
         if isinstance(exc, UntrustedRecordError):
             self._counters.add("rejected")
+            self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
         else:
             self.error("get", f"unreadable entry {key!r}: {exc}", logged=True)
         try:

@@ -315,6 +315,7 @@ class RedisBackend(BackendBase):
         except FormatError as exc:
             if isinstance(exc, UntrustedRecordError):
                 self._counters.add("rejected")
+                self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
             else:
                 self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
             log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
