@@ -294,6 +294,12 @@ class MLLMPrefixCacheManager:
     @staticmethod
     def _entry(rec: Record, live: dict[str, Any] | None) -> MLLMPrefixCacheEntry:
         m = rec.meta
+        types = {"image_hash": str, "prompt_hash": str, "model_name": str, "created_at": float}
+        types |= dict.fromkeys(("num_image_tokens", "num_text_tokens", "prompt_tokens"), int)
+        for name, want in types.items():  # stored data: a wrong type is a damaged record
+            ok = isinstance(m[name], int | float) if want is float else type(m[name]) is want
+            if not ok or isinstance(m[name], bool):
+                raise ValueError(f"{name} has the wrong type")
         return MLLMPrefixCacheEntry(
             image_hash=m["image_hash"],
             prompt_hash=m["prompt_hash"],
