@@ -12,7 +12,7 @@ from typing import Any
 from mlxcache import format as fmt
 from mlxcache.backends.base import CacheBackend
 from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS
-from mlxcache.options import parse_size
+from mlxcache.options import parse_size, redact_uri
 from mlxcache.progress import Progress
 from mlxcache.uri import open_backend
 
@@ -36,7 +36,7 @@ def _check_reachable(backend: CacheBackend, before: int, uri: str) -> None:
     """The backends turn store failures into misses; the CLI turns them back into an error."""
     if _errors(backend) > before:
         cause = getattr(backend, "last_error", None) or "unreachable or unreadable"
-        raise CLIError(f"the cache at {uri} failed: {cause}")
+        raise CLIError(f"the cache at {redact_uri(uri)} failed: {cause}")
 
 
 def _print_json(obj: Any) -> None:
@@ -110,7 +110,7 @@ def cmd_clear(args: argparse.Namespace) -> None:
     if not args.yes:
         if not sys.stdin.isatty():
             raise CLIError("refusing to clear without --yes (no terminal to ask on)")
-        answer = input(f"Delete every entry in {args.uri}? [y/N] ")
+        answer = input(f"Delete every entry in {redact_uri(args.uri)}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             raise CLIError("not cleared")
     with _open(args.uri) as backend:

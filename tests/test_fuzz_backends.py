@@ -80,7 +80,7 @@ index_cell = (
     s.text(max_size=20)
     | s.binary(max_size=20)
     | s.integers(-(2**63), 2**63 - 1)
-    | s.floats()
+    | s.floats(allow_nan=False)  # NaN is SQL NULL: the schema refuses it
     | s.sampled_from(["../outside.txt", "../../outside.txt", "/etc/hostname", "ab/../../x"])
 )
 

@@ -403,7 +403,7 @@ def test_rediss_uses_ssl_without_connecting():
     kw = b.pool.connection_kwargs
     assert (kw["host"], kw["port"], kw["db"], kw["username"]) == ("127.0.0.1", port, 2, "alice")
     assert kw["password"] == "s3cret" and kw["socket_timeout"] == 5.0
-    assert b.url == f"rediss://alice@127.0.0.1:{port}/2"
+    assert b.url == f"rediss://alice:***@127.0.0.1:{port}/2"
 
 
 def test_timeout_option_reaches_the_pool():
@@ -441,7 +441,7 @@ def test_unreachable_server_at_construction():
     s = b.stats()
     assert time.monotonic() - t0 < 2
     assert s["errors"] >= 1 and s["available"] is False and s["entries"] == 0
-    assert "pw" not in s["url"] and s["url"] == f"redis://user@127.0.0.1:{port}/0"
+    assert "pw" not in s["url"] and s["url"] == f"redis://user:***@127.0.0.1:{port}/0"
     b.close()
 
 

@@ -36,7 +36,7 @@ from mlxcache import signing
 from mlxcache.backends.base import BackendBase, log
 from mlxcache.backends.disk_files import DATA_NAME, fsync_dir, sweep_debris, unlink, write_file
 from mlxcache.errors import FormatError, UntrustedRecordError
-from mlxcache.options import Options
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 SCHEMA_VERSION = 1
@@ -521,17 +521,20 @@ def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     if host.startswith("~"):
         home = os.path.expanduser(host)
         if home == host:
-            raise ValueError(f"file:// URI {url.geturl()!r}: unknown home folder {host!r}")
+            raise ValueError(
+                f"file:// URI {redact_uri(url.geturl())!r}: unknown home folder {host!r}"
+            )
         root = os.path.join(home, path.lstrip("/"))
     elif host in ("", "localhost"):
         root = path
     else:
         raise ValueError(
-            f"file:// URI {url.geturl()!r} names host {host!r}: use file:///absolute/path "
+            f"file:// URI {redact_uri(url.geturl())!r} names host {url.hostname!r}: use "
+            "file:///absolute/path "
             "or file://~/path (relative to your home)"
         )
     if not root or not os.path.isabs(root):
-        raise ValueError(f"file:// URI {url.geturl()!r} needs a folder path")
+        raise ValueError(f"file:// URI {redact_uri(url.geturl())!r} needs a folder path")
     max_bytes = opts.size("max_bytes", None)
     timeout = opts.float("timeout", 10.0)
     secret_env = opts.str("secret_env", None)

@@ -12,7 +12,7 @@ import mlx.core as mx
 from mlxcache import meta as meta_codec
 from mlxcache import signing
 from mlxcache.backends.base import BackendBase, check_budget
-from mlxcache.options import Options
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 
@@ -127,7 +127,7 @@ def from_uri(url: SplitResult, opts: Options) -> MemoryBackend:
     every scheme; records never leave this process, so there is nothing to sign or verify.
     """
     if url.netloc or url.path not in ("", "/"):
-        raise ValueError(f"memory:// takes no host or path, got {url.geturl()!r}")
+        raise ValueError(f"memory:// takes no host or path, got {redact_uri(url.geturl())!r}")
     max_bytes = opts.size("max_bytes", None)
     max_entries = opts.int("max_entries", None)
     secret_env = opts.str("secret_env", None)

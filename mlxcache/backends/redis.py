@@ -22,7 +22,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult
 
 import redis
 from redis._parsers import Encoder
@@ -43,7 +43,7 @@ from mlxcache.backends.redis_chunks import (
 )
 from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
 from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
-from mlxcache.options import Options
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 REDIS_MAX_STRING = 512 * 1024 * 1024
@@ -384,16 +384,8 @@ class RedisBackend(BackendBase):
 
 
 def _public_url(url: str) -> str:
-    """The URL without its password (user name, host, port, path and db kept)."""
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if parts.port:
-        netloc += f":{parts.port}"
-    if parts.username:
-        netloc = f"{parts.username}@{netloc}"
-    return f"{parts.scheme}://{netloc}{parts.path}"
+    """The URL fit to print: ``user:***@host:port/db``, never the password."""
+    return redact_uri(url)
 
 
 _REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_reqs",
