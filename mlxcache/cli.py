@@ -179,7 +179,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad: list[str] = []
     why: dict[str, str] = {}
     with _open(args.uri) as backend:
+        listed = _errors(backend)
         keys = sorted(backend.keys(args.prefix))
+        _check_reachable(backend, listed, args.uri)  # an unreachable store is not "0 bad"
         with Progress("verify", len(keys)) as bar:
             for key in keys:
                 before = _failures(backend)
