@@ -264,7 +264,7 @@ def test_full_disk_is_a_logged_no_op(tmp_path, monkeypatch, caplog):
     before = index_rows(tmp_path)
     real_write = disk.write_file
 
-    def full(path, head, views):  # the disk fills up halfway through the file
+    def full(path, head, views, *mode):  # the disk fills up halfway through the file
         with open(path, "xb") as f:
             f.write(head)
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -453,7 +453,7 @@ KILLED_WRITER = """
 
     def arm(stage):
         if stage == "write":  # killed halfway through writing a temp file
-            def _write_file(path, head, views):
+            def _write_file(path, head, views, *mode):
                 with open(path, "xb") as f:
                     f.write(head)
                     f.write(views[0][: len(views[0]) // 2])

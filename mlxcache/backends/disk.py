@@ -34,7 +34,17 @@ from urllib.parse import SplitResult, unquote
 from mlxcache import format as st
 from mlxcache import signing
 from mlxcache.backends.base import BackendBase, log
-from mlxcache.backends.disk_files import DATA_NAME, fsync_dir, sweep_debris, unlink, write_file
+from mlxcache.backends.disk_files import (
+    DATA_NAME,
+    GROUP_MODES,
+    PRIVATE_MODES,
+    ensure_dir,
+    ensure_file,
+    fsync_dir,
+    sweep_debris,
+    unlink,
+    write_file,
+)
 from mlxcache.errors import FormatError, UntrustedRecordError
 from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
@@ -100,8 +110,11 @@ class DiskBackend(BackendBase):
         *,
         signer: signing.Signer | None = None,
         secret_env: str | None = None,
+        shared_group: bool = False,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
+        self.shared_group = bool(shared_group)
+        self._dir_mode, self._file_mode = GROUP_MODES if shared_group else PRIVATE_MODES
         self.signer = signer if signer is not None else signing.resolve(secret_env)
         self.root = Path(os.path.expanduser(os.fspath(path))).absolute()
         self.timeout = float(timeout)
@@ -112,8 +125,14 @@ class DiskBackend(BackendBase):
         self._conns_lock = threading.Lock()
         self._reset_connections()
         try:
-            for d in (self.root, self._data, self._tmp, self._quarantine):
-                d.mkdir(parents=True, exist_ok=True)
+            if not self.root.is_dir():
+                ensure_dir(self.root, self._dir_mode)  # a folder we create is private
+            for d in (self._data, self._tmp, self._quarantine):
+                ensure_dir(d, self._dir_mode)
+            for suffix in ("", "-wal", "-shm"):  # SQLite gives -wal/-shm the index's mode
+                path = Path(f"{self._index}{suffix}")
+                if not suffix or path.exists():
+                    ensure_file(path, self._file_mode)
             self._open_index()
         except (OSError, sqlite3.Error) as exc:
             self.close()
@@ -205,6 +224,7 @@ class DiskBackend(BackendBase):
                         os.replace(src, self._quarantine / f"index-{stamp}.sqlite{suffix}")
                     except FileNotFoundError:
                         pass
+                ensure_file(self._index, self._file_mode)
         if schema > SCHEMA_VERSION:
             raise ValueError(
                 f"{self._index} has index schema {schema}; this mlxcache knows {SCHEMA_VERSION}"
@@ -460,9 +480,9 @@ class DiskBackend(BackendBase):
         tmp = self._tmp / f"{pid}-{token}.tmp"
         final = self._data / name
         try:
-            write_file(str(tmp), head, views)
+            write_file(str(tmp), head, views, self._file_mode)
             if not final.parent.is_dir():
-                final.parent.mkdir(exist_ok=True)
+                ensure_dir(final.parent, self._dir_mode)
                 fsync_dir(self._data)
             os.replace(tmp, final)
             fsync_dir(final.parent)
@@ -538,5 +558,8 @@ def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     max_bytes = opts.size("max_bytes", None)
     timeout = opts.float("timeout", 10.0)
     secret_env = opts.str("secret_env", None)
+    shared_group = opts.bool("shared_group", False)
     opts.done()
-    return DiskBackend(root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env)
+    return DiskBackend(
+        root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env, shared_group=shared_group
+    )
