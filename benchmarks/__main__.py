@@ -17,7 +17,7 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "signed")
 DEFAULT_OUT = "benchmarks/results/latest.json"
 
 
@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import rss
 
                 rows += rss.run(rss_sizes, ctx)
+            elif section == "signed":
+                from benchmarks import signed
+
+                rows += signed.run(sizes[-1:], ctx)
             print(f"[{section}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     finally:
         if server is not None:

@@ -76,6 +76,8 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             expected |= {("throughput", "redis:// put"), ("throughput", "redis:// get")}
     if _importable("mlxcache.integrations.mlx_vlm") and _importable("mlxcache.backends.disk"):
         expected |= {("ttft", "qwen2_vl uncached"), ("ttft", "qwen2_vl file:// warm")}
+    expected |= {("signed", "signed file:// put"), ("signed", "signed file:// get")}
+    expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names
     assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
 
