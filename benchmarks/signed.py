@@ -16,8 +16,8 @@ import xxhash
 
 from benchmarks.common import Row, evaluate
 from benchmarks.throughput import KEY, Context, _Sizer
-from mlxcache import open_backend
 from mlxcache import format as st
+from mlxcache import open_backend
 from mlxcache.signing import Signer
 
 SECRET_VAR = "MLXCACHE_BENCH_SECRET"
