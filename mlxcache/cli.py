@@ -11,7 +11,7 @@ from typing import Any
 
 from mlxcache import format as fmt
 from mlxcache.backends.base import CacheBackend
-from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS
+from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS, run_demo
 from mlxcache.options import parse_size, redact_uri
 from mlxcache.progress import Progress
 from mlxcache.uri import open_backend
@@ -48,6 +48,13 @@ def cmd_stats(args: argparse.Namespace) -> None:
         before = _errors(backend)
         stats = backend.stats()
         _check_reachable(backend, before, args.uri)
+        if args.prometheus:
+            try:  # prometheus_client is optional (the metrics extra)
+                from mlxcache.metrics import render
+            except ImportError as exc:
+                raise CLIError(str(exc)) from None
+            sys.stdout.write(render(backend).decode())
+            return
     if args.json:
         _print_json(stats)
     else:
@@ -199,8 +206,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mlxcache.demo import run_demo
-
     if args.prompt_tokens < 64 or args.max_tokens < 1:
         raise CLIError("--prompt-tokens must be >= 64 and --max-tokens >= 1")
 
@@ -230,6 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add("stats", cmd_stats, "print a backend's stats")
     sp.add_argument("uri")
     sp.add_argument("--json", action="store_true", help="one JSON object")
+    sp.add_argument(
+        "--prometheus", action="store_true", help="Prometheus text format (the metrics extra)"
+    )
     sp = add("ls", cmd_ls, "list keys")
     sp.add_argument("uri")
     sp.add_argument("--prefix", default="")

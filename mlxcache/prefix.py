@@ -19,6 +19,7 @@ from mlxcache import hashing
 from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, log
 from mlxcache.record import Record
+from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
 
 KEY_ROOT = "mlxcache/prefix/v1"
@@ -195,6 +196,8 @@ class PrefixCache:
         plan = self._plan(tokens, images, image_positions)
         n, bs = len(tokens), self.block_size
         layers = list(prompt_cache) if n else []
+        if n and not layers:
+            raise ValueError("prompt_cache is empty: store the cache objects of the prompt")
         if n:
             pr.check_lengths(layers, n)
         lay = pr.layout(layers)
@@ -221,8 +224,6 @@ class PrefixCache:
             last = n_full if r else n_full - 1
             tail = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
         if vkey and not exists[-1]:
-            from mlxcache.serializers.prompt_cache import dump_prompt_cache
-
             vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
         put: list[tuple[str, int]] = []  # (key, tokens) of each record written
         for (key, i, m), there in zip(blocks, exists, strict=False):
@@ -304,8 +305,6 @@ class PrefixCache:
     def _vision(self, rec: Record | None) -> Any:
         if rec is None:
             return None
-        from mlxcache.serializers.prompt_cache import load_prompt_cache
-
         try:
             value, meta = load_prompt_cache(rec, return_metadata=True)
         except ValueError as e:
