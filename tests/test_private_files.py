@@ -80,3 +80,19 @@ def test_an_old_world_readable_cache_is_tightened(tmp_path):
     found.pop(".")  # a folder the user made stays as they made it
     for name, mode in found.items():
         assert mode == (0o700 if (root / name).is_dir() else 0o600), (name, oct(mode))
+
+
+def test_opening_another_backend_keeps_this_processs_sqlite_locks(tmp_path):
+    """Found by the signing test: setting the index's mode by opening it dropped the POSIX
+    locks that SQLite holds for another backend of the same process (its view went stale)."""
+    uri = f"file://{tmp_path}"
+    first = mlxcache.open_backend(uri)
+    first.put("a", sample_record())
+    assert first.get("a") is not None  # holds the index, its -wal and -shm
+    for i in range(3):
+        other = mlxcache.open_backend(uri)
+        other.put(f"k{i}", sample_record())
+        other.delete("a") if i == 1 else None
+        assert f"k{i}" in first and ("a" in first) == (i == 0)
+        other.close()
+    assert sorted(first.keys()) == ["k0", "k1", "k2"] and len(first) == 3

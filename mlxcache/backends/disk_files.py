@@ -35,11 +35,18 @@ def ensure_dir(path: Path, mode: int) -> None:
 
 
 def ensure_file(path: Path, mode: int) -> None:
-    """Create ``path`` if missing (empty) with exactly ``mode``; tighten an existing one of ours."""
+    """Create ``path`` if missing (empty) with exactly ``mode``; tighten an existing one of ours.
+
+    An existing file is never opened: closing any descriptor of a file drops every POSIX lock
+    this process holds on it, and SQLite's locks on the index (and its -shm) are such locks.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     try:
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), mode))
+        fd = os.open(path, flags, mode)
     except FileExistsError:
         pass
+    else:
+        os.close(fd)
     _set_mode(path, mode)
 
 
