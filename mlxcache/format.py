@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import bisect
+import dataclasses
 import hmac
 import json
 import math
@@ -28,7 +29,12 @@ import numpy as np
 import xxhash
 
 from mlxcache import meta as meta_codec
-from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
+from mlxcache.errors import (
+    FormatError,
+    RecordTooLargeError,
+    UnsupportedVersionError,
+    UntrustedRecordError,
+)
 from mlxcache.record import Record
 from mlxcache.signing import MAC_ALGO, Signer
 
@@ -171,7 +177,8 @@ def encode(
     """Header bytes plus the tensor buffers to write after it (no copy of tensor data).
 
     With a ``signer`` the record carries a MAC bound to ``key`` (its cache key, required).
-    A header over ``MAX_HEADER_BYTES`` (metadata far beyond any real record) is a ValueError.
+    A header over ``MAX_HEADER_BYTES`` (metadata far beyond any real record) is a
+    RecordTooLargeError (a ValueError).
     """
     if signer is not None and not isinstance(key, str):
         raise TypeError("a signed record needs its cache key (key=str)")
@@ -216,7 +223,7 @@ def encode(
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + 8) % 8)  # safetensors pads the header to 8 bytes
     if len(text) > MAX_HEADER_BYTES:
-        raise ValueError(
+        raise RecordTooLargeError(
             f"record header is {len(text)} bytes, over the {MAX_HEADER_BYTES}-byte limit: "
             "its metadata or tensor table is far larger than any cache record"
         )
@@ -283,6 +290,19 @@ def parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> H
     inconsistent or oversized input is a FormatError (UnsupportedVersionError for a genuine
     newer format), in time and memory proportional to the header.
     """
+    return _with_meta(_parse_header(prefix, total_size))
+
+
+def _with_meta(header: Header) -> Header:
+    """The header with its metadata decoded (after the checksum or MAC, when reading data)."""
+    meta = meta_codec.unpack(header.meta_bytes)
+    if not isinstance(meta, dict):
+        raise FormatError("record metadata is not a map")
+    return dataclasses.replace(header, meta=meta)
+
+
+def _parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> Header:
+    """:func:`parse_header` without decoding the metadata bytes (``meta`` is left empty)."""
     n = _header_length(prefix)
     if len(prefix) < 8 + n or (total_size is not None and total_size < 8 + n):
         raise FormatError(f"header length {n} does not fit the data")
@@ -308,9 +328,6 @@ def parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> H
         meta_bytes = base64.b64decode(meta_b64, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise FormatError(f"malformed metadata base64: {exc}") from None
-    meta = meta_codec.unpack(meta_bytes)
-    if not isinstance(meta, dict):
-        raise FormatError("record metadata is not a map")
     tensors = sorted((_tensor(k, v) for k, v in header.items()), key=lambda t: (t.begin, t.end))
     expected = 0
     for t in tensors:
@@ -321,7 +338,7 @@ def parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> H
     data_offset = 8 + n
     if total_size is not None and total_size != data_offset + expected:
         raise FormatError(f"size is {total_size} bytes, header says {data_offset + expected}")
-    return Header(version, meta, tuple(tensors), checksum, data_offset, expected, meta_bytes, mac)
+    return Header(version, {}, tuple(tensors), checksum, data_offset, expected, meta_bytes, mac)
 
 
 def _array_from_buffer(t: TensorInfo, buf: memoryview | bytes) -> mx.array:
@@ -446,7 +463,8 @@ def from_buffers(
     n = _header_length(blob.span(0, min(8, blob.size)))
     if blob.size < 8 + n:
         raise FormatError(f"header length {n} does not fit the data")
-    header = parse_header(blob.span(0, 8 + n), total_size=blob.size)
+    # metadata is decoded only once the checksum or MAC holds: a forged header costs one hash
+    header = _parse_header(blob.span(0, 8 + n), total_size=blob.size)
     base = header.data_offset
 
     def buffers() -> Iterator[memoryview]:
@@ -454,6 +472,7 @@ def from_buffers(
             yield from blob.pieces(base + t.begin, base + t.end)
 
     _verify(header, buffers, key, signer)
+    header = _with_meta(header)
     arrays = {}
     for t in header.tensors:
         arrays[t.name] = _array_from_buffer(t, blob.span(base + t.begin, base + t.end))
@@ -483,13 +502,17 @@ def header_bytes_needed(prefix: bytes) -> int:
 
 def read_header(path: str | os.PathLike) -> Header:
     """Read only the header of a record file (cheap: tensor bytes stay on disk)."""
+    return _with_meta(_read_header(path))
+
+
+def _read_header(path: str | os.PathLike) -> Header:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         first = f.read(8)
         n = _header_length(first)
         if size < 8 + n:
             raise FormatError(f"header length {n} does not fit the file ({size} bytes)")
-        return parse_header(first + f.read(n), total_size=size)
+        return _parse_header(first + f.read(n), total_size=size)
 
 
 def read_file(
@@ -501,7 +524,7 @@ def read_file(
     the checksum or MAC is verified over its bytes. A file that cannot be opened raises
     OSError; anything unreadable in it is a FormatError.
     """
-    header = read_header(path)
+    header = _read_header(path)
     if any(t.dtype in _NOT_MX_LOADABLE for t in header.tensors):
         with open(path, "rb") as f:
             return from_bytes(f.read(), key=key, signer=signer)
@@ -519,7 +542,7 @@ def read_file(
     for t in header.tensors:
         _check_array(t, arrays[t.name])
     _verify(header, lambda: (_raw_view(arrays[t.name]) for t in header.tensors), key, signer)
-    return _record(arrays, header.meta)
+    return _record(arrays, _with_meta(header).meta)
 
 
 def header_of(record: Record) -> Header:

@@ -354,3 +354,35 @@ def test_deep_json_and_huge_headers_are_format_errors():
 def test_bad_manifests_are_refused(manifest):
     assert parse_manifest(MANIFEST_MAGIC + json.dumps(manifest).encode()) is None
     assert parse_manifest(MANIFEST_MAGIC + b"[" * 200_000) is None
+
+
+def test_the_header_cap_is_ten_times_the_largest_real_header():
+    """docs/reliability.md: a 100-layer quantized cache whose metadata holds a 128k-token
+    prompt (what the MLLM manager stores per entry) is the largest real header we build."""
+    import numpy as np
+
+    layers = []
+    for _ in range(100):
+        c = QuantizedKVCache(group_size=64, bits=4)
+        x = mx.zeros((1, 8, 16, 128))
+        c.update_and_fetch(x, x)
+        layers.append(c)
+    tokens = np.arange(131072, dtype=np.int64).tobytes()
+    head, _ = st.encode(dump_prompt_cache(layers, meta={"tokens": tokens, "model": "m" * 200}))
+    assert 1_000_000 < len(head) and 10 * len(head) <= st.MAX_HEADER_BYTES
+
+
+def test_mllm_entries_and_index_over_the_header_cap_are_not_stored_not_raised(tmp_path):
+    """The MLLM index lines carry every entry's token ids: two prompts of 1M tokens make an
+    index over the cap, three make an entry over it. Neither raises into store()."""
+    from mlxcache.mllm_cache import MLLMPrefixCacheManager
+
+    m = MLLMPrefixCacheManager(backend=f"file://{tmp_path}")
+    kv = KVCache()
+    kv.update_and_fetch(mx.zeros((1, 1, 2, 4)), mx.zeros((1, 1, 2, 4)))
+    big = st.MAX_HEADER_BYTES // 8 // 4 * 3 // 2  # tokens: half the cap each, base64'd
+    m.store([], "a", None, [kv], list(range(big)))
+    m.store([], "b", None, [kv], list(range(big)))  # the index of both is over the cap
+    assert m.fetch([], "a")[0] is not None and m.fetch([], "b")[0] is not None
+    m.store([], "c", None, [kv], list(range(3 * big)))  # the entry itself is over the cap
+    assert m.fetch([], "c") == (None, 0)

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mlxcache.backends.base import CacheBackend
+from mlxcache.errors import RecordTooLargeError
 from mlxcache.integrations.vllm_mlx import payloads
 from mlxcache.integrations.vllm_mlx.entries import LRU, EntryStore, Slot
 from mlxcache.integrations.vllm_mlx.keys import (
@@ -182,7 +183,11 @@ class MLLMPrefixCacheManager:
 
     def _write_index(self, group: str, items: list[dict[str, Any]]) -> None:
         if items:
-            self._backend.put(INDEX_PREFIX + group, Record(meta={"v": _VERSION, "entries": items}))
+            record = Record(meta={"v": _VERSION, "entries": items})
+            try:
+                self._backend.put(INDEX_PREFIX + group, record)
+            except RecordTooLargeError as exc:  # lines hold token ids: huge prompts x many
+                logger.warning("MLLM cache: index of %s not stored: %s", group[:16], exc)
         else:
             self._backend.delete(INDEX_PREFIX + group)
 
