@@ -261,7 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dst")
     sp.add_argument("--prefix", default="")
     sp.add_argument("--json", action="store_true")
-    sp = add("verify", cmd_verify, "check every record's checksum; exit 1 if any is bad")
+    sp = add("verify", cmd_verify, "check every record (checksum, or MAC); exit 1 if any is bad")
     sp.add_argument("uri")
     sp.add_argument("--prefix", default="")
     sp.add_argument("--json", action="store_true")

@@ -13,34 +13,31 @@ import base64
 import binascii
 import bisect
 import dataclasses
-import hmac
 import json
 import math
 import os
 import re
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
-import msgpack
 import numpy as np
-import xxhash
 
 from mlxcache import meta as meta_codec
+from mlxcache.digests import FORMAT_VERSION, digest, vcheck, verify
+from mlxcache.digests import checksum as _checksum  # noqa: F401 - tests forge with it
+from mlxcache.digests import vcheck as _vcheck  # noqa: F401
 from mlxcache.errors import (
     FormatError,
     RecordTooLargeError,
     UnsupportedVersionError,
-    UntrustedRecordError,
 )
 from mlxcache.record import Record
 from mlxcache.signing import MAC_ALGO, Signer
 
 FORMAT_NAME = "mlxcache"
-FORMAT_VERSION = 1
-CHECKSUM_ALGO = "xxh3_128"
 # Bounds no real record approaches (docs/reliability.md): the largest real header we build is
 # about 1.5 MB (a 100-layer quantized cache with a 128k-token prompt in its metadata).
 MAX_HEADER_BYTES = 16 * 1024 * 1024
@@ -48,8 +45,6 @@ MAX_TENSORS = 65536  # a 100-layer quantized cache has 600
 MAX_RANK = 32  # cache tensors have rank <= 5
 MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
 MAX_ELEMENTS = 2**48
-_MAC_DOMAIN = b"mlxcache record MAC v1\0"
-_SLICE = 1 << 20
 
 # mx dtype -> (safetensors dtype, numpy carrier of the same item size, needs .view after load)
 _DTYPES: dict[Any, tuple[str, Any]] = {
@@ -102,65 +97,6 @@ class Header:
         return self.data_offset + self.data_size
 
 
-# ---------------------------------------------------------------- digests
-
-
-def _pack_table(table: Sequence[TensorInfo]) -> bytes:
-    return msgpack.packb(
-        [[t.name, t.dtype, list(t.shape), t.begin, t.end] for t in table], use_bin_type=True
-    )
-
-
-def _digest(
-    meta_bytes: bytes,
-    table: Sequence[TensorInfo],
-    buffers: Iterable[memoryview],
-    *,
-    checksum: bool,
-    mac: Any = None,
-    key: str = "",
-) -> tuple[str | None, str | None]:
-    """The xxh3 checksum and/or the keyed MAC of a record, in one pass over its bytes.
-
-    The checksum covers the meta bytes, the tensor table and the tensor bytes. The MAC covers
-    the same, plus the format version and the record's cache key (length-prefixed), so a
-    record copied under another key does not verify.
-    """
-    h = xxhash.xxh3_128() if checksum else None
-    table_bytes = _pack_table(table)
-    if h is not None:
-        h.update(meta_bytes)
-        h.update(table_bytes)
-    if mac is not None:
-        mac.update(_MAC_DOMAIN)
-        for part in (key.encode("utf-8"), str(FORMAT_VERSION).encode(), meta_bytes, table_bytes):
-            mac.update(struct.pack("<Q", len(part)))
-            mac.update(part)
-    for buf in buffers:
-        if h is None or mac is None:
-            (h if mac is None else mac).update(buf)
-            continue
-        for i in range(0, len(buf), _SLICE):  # both hashes over a slice while it is in cache
-            piece = buf[i : i + _SLICE]
-            h.update(piece)
-            mac.update(piece)
-    return (
-        None if h is None else f"{CHECKSUM_ALGO}:{h.hexdigest()}",
-        None if mac is None else mac.hexdigest(),
-    )
-
-
-def _checksum(meta_bytes: bytes, table: Sequence[TensorInfo], buffers: Iterable[memoryview]) -> str:
-    """The public xxh3 checksum alone (what any writer, with or without a secret, can make)."""
-    return _digest(meta_bytes, table, buffers, checksum=True)[0]  # type: ignore[return-value]
-
-
-def _vcheck(version: str, checksum: str, mac: str) -> str:
-    """Ties the version field to the checksum: a flipped version is corrupt, not newer."""
-    text = f"mlxcache-version\n{version}\n{checksum}\n{mac}".encode("utf-8", "surrogatepass")
-    return xxhash.xxh3_64_hexdigest(text)
-
-
 # ---------------------------------------------------------------- writing
 
 
@@ -196,7 +132,7 @@ def encode(
         )
         views.append(view)
         offset += a.nbytes
-    checksum, mac = _digest(
+    checksum, mac = digest(
         meta_bytes,
         table,
         views,
@@ -212,7 +148,7 @@ def encode(
     }
     if signer is not None:
         info["mac"] = f"{MAC_ALGO}:{signer.key_id}:{mac}"
-    info["vcheck"] = _vcheck(info["format_version"], info["checksum"], info.get("mac", ""))
+    info["vcheck"] = vcheck(info["format_version"], info["checksum"], info.get("mac", ""))
     header: dict[str, Any] = {"__metadata__": info}
     for t in table:
         header[t.name] = {
@@ -257,7 +193,7 @@ def _version(info: dict[str, Any]) -> int:
     if version == FORMAT_VERSION:
         return version
     parts = [info.get("checksum"), info.get("mac", ""), info.get("vcheck")]
-    if all(isinstance(p, str) for p in parts) and parts[2] == _vcheck(raw, parts[0], parts[1]):
+    if all(isinstance(p, str) for p in parts) and parts[2] == vcheck(raw, parts[0], parts[1]):
         raise UnsupportedVersionError(
             f"record format version {version}; this mlxcache reads version {FORMAT_VERSION}"
         )
@@ -365,41 +301,6 @@ def _check_array(t: TensorInfo, a: mx.array | None) -> None:
         raise FormatError(f"tensor {t.name!r:.80} loaded as {got}, header says {t.shape}")
 
 
-def _verify(
-    header: Header,
-    buffers: Callable[[], Iterable[memoryview]],
-    key: str | None,
-    signer: Signer | None,
-) -> None:
-    """Check the checksum, or with a signer the MAC (which covers everything it covers)."""
-    if signer is None:
-        checksum, _ = _digest(header.meta_bytes, header.tensors, buffers(), checksum=True)
-        if checksum != header.checksum:
-            raise FormatError("checksum mismatch: the record is corrupt")
-        return
-    if not isinstance(key, str):
-        raise TypeError("verifying a signed record needs its cache key (key=str)")
-    if header.mac is None:
-        raise UntrustedRecordError("unsigned record: this cache accepts only signed records")
-    algo, _, rest = header.mac.partition(":")
-    key_id, _, expected = rest.partition(":")
-    if algo != MAC_ALGO or not re.fullmatch(r"[0-9a-f]{64}", expected):
-        raise UntrustedRecordError(f"malformed MAC {header.mac!r:.40}")
-    hasher = signer.hasher(key_id)
-    if hasher is None:
-        raise UntrustedRecordError(
-            f"signed with a secret not accepted here (key id {key_id!r:.20})"
-        )
-    _, actual = _digest(
-        header.meta_bytes, header.tensors, buffers(), checksum=False, mac=hasher, key=key
-    )
-    if not hmac.compare_digest(actual or "", expected):
-        checksum, _ = _digest(header.meta_bytes, header.tensors, buffers(), checksum=True)
-        if checksum != header.checksum:  # a second pass only on failure, to name the cause
-            raise FormatError("checksum mismatch: the record is corrupt")
-        raise UntrustedRecordError("MAC mismatch: forged, or replayed from another key")
-
-
 def _record(arrays: dict[str, mx.array], meta: dict[str, Any]) -> Record:
     try:
         return Record(arrays=arrays, meta=meta)
@@ -471,7 +372,7 @@ def from_buffers(
         for t in header.tensors:
             yield from blob.pieces(base + t.begin, base + t.end)
 
-    _verify(header, buffers, key, signer)
+    verify(header, buffers, key, signer)
     header = _with_meta(header)
     arrays = {}
     for t in header.tensors:
@@ -541,7 +442,7 @@ def read_file(
         raise exc from None
     for t in header.tensors:
         _check_array(t, arrays[t.name])
-    _verify(header, lambda: (_raw_view(arrays[t.name]) for t in header.tensors), key, signer)
+    verify(header, lambda: (_raw_view(arrays[t.name]) for t in header.tensors), key, signer)
     return _record(arrays, _with_meta(header).meta)
 
 
