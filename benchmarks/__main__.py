@@ -17,7 +17,7 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "server")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed")
 DEFAULT_OUT = "benchmarks/results/latest.json"
 
 
@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import lm_server
 
                 rows += lm_server.run(ctx)
+            elif section == "signed":
+                from benchmarks import signed
+
+                rows += signed.run(sizes[-1:], ctx)
             print(f"[{section}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     finally:
         if server is not None:

@@ -22,7 +22,7 @@ import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult
 
 import redis
 from redis._parsers import Encoder
@@ -32,16 +32,18 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from mlxcache import format as st
+from mlxcache import signing
 from mlxcache.backends.base import BackendBase, log
 from mlxcache.backends.redis_chunks import (
+    MAX_CHUNKS,
     complete_chunks,
     is_manifest,
     make_manifest,
     parse_manifest,
 )
 from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
-from mlxcache.errors import FormatError, UnsupportedVersionError
-from mlxcache.options import Options
+from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 REDIS_MAX_STRING = 512 * 1024 * 1024
@@ -77,7 +79,9 @@ class RedisBackend(BackendBase):
     the same prefix (None: unbounded, leave it to Redis' ``maxmemory``). Values larger than
     ``chunk_size`` are split and still committed atomically. When Redis is unreachable every
     call degrades (miss, no-op, empty) and the server is skipped for a backoff that grows from
-    ``backoff`` to ``max_backoff`` seconds, then tried again.
+    ``backoff`` to ``max_backoff`` seconds, then tried again. With a ``signer`` (default: from
+    ``$MLXCACHE_SECRET``, or the variable ``secret_env`` names) every record is signed for its
+    key and a value without a valid MAC is rejected (``stats()["rejected"]``) and deleted.
     """
 
     scheme = "redis"
@@ -94,6 +98,8 @@ class RedisBackend(BackendBase):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         backoff: float = 0.1,
         max_backoff: float = 5.0,
+        signer: signing.Signer | None = None,
+        secret_env: str | None = None,
         **redis_kwargs: Any,
     ) -> None:
         if not isinstance(url, str):
@@ -107,6 +113,7 @@ class RedisBackend(BackendBase):
         if not 0 < chunk_size <= REDIS_MAX_STRING:
             raise ValueError(f"chunk_size must be in 1..{REDIS_MAX_STRING} bytes, got {chunk_size}")
         super().__init__(max_bytes=max_bytes, backoff=backoff, max_backoff=max_backoff)
+        self.signer = signer if signer is not None else signing.resolve(secret_env)
         self.prefix = prefix
         self.ttl = ttl
         self.timeout = timeout
@@ -187,7 +194,13 @@ class RedisBackend(BackendBase):
     # ------------------------------------------------------------ writing
 
     def _prepare(self, key: str, record: Record) -> tuple[bytes, int]:
-        blob = st.to_bytes(record)  # raises on a bad dtype before anything is sent
+        # raises on a bad dtype before anything is sent
+        blob = st.to_bytes(record, key=key, signer=self.signer)
+        if -(-len(blob) // self.chunk_size) > MAX_CHUNKS:
+            raise ValueError(
+                f"a record of {len(blob)} bytes needs more than {MAX_CHUNKS} chunks of "
+                f"chunk_size={self.chunk_size}: use a larger chunk_size"
+            )
         return blob, len(blob)
 
     def _put(self, key: str, blob: bytes, size: int) -> int:
@@ -291,8 +304,8 @@ class RedisBackend(BackendBase):
             if isinstance(value, FormatError):
                 raise value
             if isinstance(value, list):  # chunks: freed one by one as they are decoded
-                return st.from_buffers(value, consume=True)
-            return st.from_bytes(value)
+                return st.from_buffers(value, consume=True, key=key, signer=self.signer)
+            return st.from_bytes(value, key=key, signer=self.signer)
         except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
             self._rlog.warning("version", "redis cache: skipping %r: %s", key, exc)
             return None
@@ -300,7 +313,11 @@ class RedisBackend(BackendBase):
             self.error("get", f"out of memory decoding {key!r}")
             return None
         except FormatError as exc:
-            self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
+            if isinstance(exc, UntrustedRecordError):
+                self._counters.add("rejected")
+                self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
+            else:
+                self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
             log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
             try:
                 self._script("drop", self._index, [key])
@@ -367,16 +384,8 @@ class RedisBackend(BackendBase):
 
 
 def _public_url(url: str) -> str:
-    """The URL without its password (user name, host, port, path and db kept)."""
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if parts.port:
-        netloc += f":{parts.port}"
-    if parts.username:
-        netloc = f"{parts.username}@{netloc}"
-    return f"{parts.scheme}://{netloc}{parts.path}"
+    """The URL fit to print: ``user:***@host:port/db``, never the password."""
+    return redact_uri(url)
 
 
 _REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_reqs",
@@ -407,6 +416,7 @@ def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
     chunk_size = opts.size("chunk_size", DEFAULT_CHUNK_SIZE)
     backoff = opts.float("backoff", 0.1, minimum=0.001)
     max_backoff = opts.float("max_backoff", 5.0, minimum=0.001)
+    secret_env = opts.str("secret_env", None)
     extra: dict[str, Any] = {}
     for name in _REDIS_OPTIONS:
         value = opts.int(name, None) if name in ("db", "max_connections") else opts.str(name, None)
@@ -423,5 +433,6 @@ def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
         chunk_size=chunk_size,
         backoff=backoff,
         max_backoff=max_backoff,
+        secret_env=secret_env,
         **extra,
     )
