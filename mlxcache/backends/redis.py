@@ -1,19 +1,12 @@
 """Redis backend: one record per value, a shared LRU index, failures read as misses.
 
-Key layout under ``prefix`` (default ``mlxcache:``)::
-
-    {prefix}v:{key}           the record: a safetensors blob, or a chunk manifest
-    {prefix}c:{gen}:{i}       chunk i of a large record; gen is random per write
-    {prefix}i:lru             ZSET  key -> logical access clock (least recent first)
-    {prefix}i:size            HASH  key -> stored bytes
-    {prefix}i:exp             ZSET  key -> expiry time in server ms (only with ttl)
-    {prefix}i:chunks          HASH  key -> "gen:n" for chunked records
-    {prefix}i:total           bytes of all indexed records
-    {prefix}i:clock           counter that orders accesses
-
-User keys live only under ``v:``, so ``keys()`` scans that namespace alone. Every write and its
-index update run in one MULTI/EXEC (small values) or one Lua script (chunked values), so every
-client sees one true total and evicts by one LRU order. See docs/backends.md.
+The same code serves one server (``redis://``), a Sentinel-managed primary
+(``redis+sentinel://``) and a Redis Cluster (``redis+cluster://``): a router
+(:mod:`mlxcache.backends.redis_routes`) names the server of a hash slot, and the key layout
+(:mod:`mlxcache.backends.redis_keys`) puts every key of a record and its group's LRU index in
+one slot. Every write and its index update run in one MULTI/EXEC (small values) or one Lua
+script (chunked values), so every client sees one true total per group and evicts by one LRU
+order. See docs/backends.md.
 """
 
 from __future__ import annotations
@@ -48,10 +41,14 @@ from mlxcache.backends.redis_chunks import (
     make_manifest,
     parse_manifest,
 )
+from mlxcache.backends.redis_keys import KeyLayout, glob_escape
+from mlxcache.backends.redis_routes import SingleRouter
 from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
 from mlxcache.errors import FormatError, UnsupportedVersionError
 from mlxcache.options import Options
 from mlxcache.record import Record
+
+__all__ = ["RedisBackend", "from_uri", "glob_escape", "redis_options", "pool_kwargs"]
 
 REDIS_MAX_STRING = 512 * 1024 * 1024
 DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
@@ -73,21 +70,31 @@ _FAILURES = (RedisError, OSError)
 Value = bytes | list[bytes] | FormatError | None
 
 
-def glob_escape(text: str) -> str:
-    """Escape Redis MATCH wildcards so ``text`` matches only itself."""
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+def pool_kwargs(timeout: float) -> dict[str, Any]:
+    """Connection settings every router uses: timeouts, one quick retry, the copy-free packer."""
+    return {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 1),  # one quick retry for a stale pooled connection
+        "command_packer": _PACKER,
+    }
 
 
 class RedisBackend(BackendBase):
     """Records in Redis under a key prefix, with a byte budget and LRU shared by all clients.
 
-    ``url`` is any redis-py URL (``redis://``, ``rediss://``, ``unix://``). ``ttl`` (seconds)
-    applies to every value written; ``max_bytes`` bounds the stored bytes of all clients using
-    the same prefix (None: unbounded, leave it to Redis' ``maxmemory``). Values larger than
+    ``url`` is any redis-py URL (``redis://``, ``rediss://``, ``unix://``); or pass a
+    ``router`` (a Sentinel or Cluster router) instead. ``ttl`` (seconds) applies to every value
+    written; ``max_bytes`` bounds the stored bytes of all clients using the same prefix (None:
+    unbounded, leave it to Redis' ``maxmemory``). Keys are split into ``groups`` hash-tagged
+    groups, each with its own LRU and ``max_bytes / groups`` of the budget (1 on one server:
+    one exact LRU; more on a Cluster, to spread over its primaries). Values larger than
     ``chunk_size`` are split and still committed atomically. When Redis is unreachable every
     call degrades (miss, no-op, empty) and the server is skipped for a backoff that grows from
     ``backoff`` to ``max_backoff`` seconds, then tried again.
     """
+
+    scheme = "redis"
 
     def __init__(
         self,
@@ -100,12 +107,12 @@ class RedisBackend(BackendBase):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         backoff: float = 0.1,
         max_backoff: float = 5.0,
+        groups: int = 1,
+        router: Any = None,
         **redis_kwargs: Any,
     ) -> None:
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, got {type(url).__name__}")
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError("prefix must be a non-empty str (clear() deletes what it covers)")
         if ttl is not None and not ttl > 0:
             raise ValueError(f"ttl must be > 0 seconds or None, got {ttl!r}")
         if not timeout > 0:
@@ -116,7 +123,9 @@ class RedisBackend(BackendBase):
             raise ValueError(f"chunk_size must be in 1..{REDIS_MAX_STRING} bytes, got {chunk_size}")
         if not 0 < backoff <= max_backoff:
             raise ValueError(f"need 0 < backoff <= max_backoff, got {backoff}, {max_backoff}")
+        self.layout = KeyLayout(prefix, groups)
         self.prefix = prefix
+        self.groups = groups
         self.ttl = ttl
         self.timeout = timeout
         self.max_bytes = max_bytes
@@ -124,19 +133,15 @@ class RedisBackend(BackendBase):
         self.backoff = backoff
         self.max_backoff = max_backoff
         self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
-        self.pool = redis.ConnectionPool.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 1),  # one quick retry for a stale pooled connection
-            command_packer=_PACKER,
-            **redis_kwargs,
-        )
-        self.client = redis.Redis(connection_pool=self.pool)
-        self.url = _public_url(url)
-        self._index = [
-            prefix + "i:" + n for n in ("lru", "size", "exp", "chunks", "total", "clock")
-        ]
+        if router is None:
+            pool = redis.ConnectionPool.from_url(url, **pool_kwargs(timeout), **redis_kwargs)
+            router = SingleRouter(pool)
+            self.url = _public_url(url)
+        else:
+            self.url = url
+        self.router = router
+        self.pool = getattr(router, "pool", None)  # one server's pool (None on a Cluster)
+        self.client = getattr(router, "one", None)  # its client
         self._counters = Counters()
         self._log = RateLimitedLog()
         self._lock = threading.Lock()
@@ -145,21 +150,32 @@ class RedisBackend(BackendBase):
         if max_bytes is not None:
             self._evict_to(max_bytes)  # opening with a budget enforces it (``mlxcache gc``)
 
+    @property
+    def group_budget(self) -> int | None:
+        """The byte budget of one key group (``max_bytes // groups``)."""
+        return None if self.max_bytes is None else self.max_bytes // self.groups
+
     def _evict_to(self, max_bytes: int) -> None:
+        share = max_bytes // self.groups
         try:
-            evicted = int(self._script("evict", self._index, [max_bytes]))
+            evicted = sum(int(x) for x in self._each_group("evict", lambda g: [share]))
         except _FAILURES as exc:
             self._failed("evict", exc)
             return
         self._counters.add("evictions", evicted)
 
-    # ------------------------------------------------------------ keys and state
+    # ------------------------------------------------------------ routing and state
 
-    def _vkey(self, key: str) -> str:
-        return self.prefix + "v:" + key
+    def _client(self, g: int) -> redis.Redis:
+        return self.router.client(self.layout.slots[g])
 
-    def _ckey(self, gen: str, i: int) -> str:
-        return f"{self.prefix}c:{gen}:{i}"
+    def _by_node(self, groups: Iterable[int]) -> list[tuple[redis.Redis, list[int]]]:
+        """Positions of ``groups`` batched by the node serving them (one pipeline each)."""
+        batches: dict[int, tuple[redis.Redis, list[int]]] = {}
+        for i, g in enumerate(groups):
+            c = self._client(g)
+            batches.setdefault(id(c), (c, []))[1].append(i)
+        return list(batches.values())
 
     def _skipping(self) -> bool:
         return time.monotonic() < self._down_until
@@ -172,6 +188,7 @@ class RedisBackend(BackendBase):
     def _failed(self, op: str, exc: BaseException, n: int = 1) -> None:
         """Count and log a failure; an unreachable server is skipped for a growing backoff."""
         self._counters.add("errors", n)
+        self.router.invalidate()  # a failover or a moved slot: ask for the topology again
         if isinstance(exc, _UNREACHABLE):
             with self._lock:
                 delay = self._delay
@@ -184,20 +201,41 @@ class RedisBackend(BackendBase):
         else:
             self._log.warning(op, "redis cache %s: %s failed: %s", self.url, op, exc)
 
-    def _eval(self, target: Any, name: str, keys: list[str], args: list[Any]) -> Any:
-        return target.evalsha(SHAS[name], len(keys), *keys, self.prefix, *args)
+    def _eval(self, target: Any, name: str, g: int, keys: list[str], args: list[Any]) -> Any:
+        return target.evalsha(SHAS[name], len(keys), *keys, self.layout.heads[g], *args)
 
-    def _load_scripts(self) -> None:
+    def _load_scripts(self, client: redis.Redis) -> None:
         for body in SCRIPTS.values():
-            self.client.script_load(body)
+            client.script_load(body)
 
-    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run a script by SHA, loading it once if the server forgot it (restart, flush)."""
+    def _script(self, name: str, g: int, args: list[Any], keys: list[str] | None = None) -> Any:
+        """Run a script on group ``g`` by SHA, loading it once if the server forgot it."""
+        client = self._client(g)
+        keys = self.layout.index[g] if keys is None else keys
         try:
-            return self._eval(self.client, name, keys, args)
+            return self._eval(client, name, g, keys, args)
         except NoScriptError:
-            self._load_scripts()
-            return self._eval(self.client, name, keys, args)
+            self._load_scripts(client)
+            return self._eval(client, name, g, keys, args)
+
+    def _each_group(self, name: str, args) -> list[Any]:
+        """Run a script once per group, one pipeline per node; results in group order."""
+        out: list[Any] = [None] * self.groups
+        for client, gs in self._by_node(range(self.groups)):
+            for attempt in (0, 1):
+                pipe = client.pipeline(transaction=False)
+                for g in gs:
+                    self._eval(pipe, name, g, self.layout.index[g], args(g))
+                replies = pipe.execute(raise_on_error=False)
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                    self._load_scripts(client)
+                    continue
+                for g, r in zip(gs, replies, strict=True):
+                    if isinstance(r, Exception):
+                        raise r
+                    out[g] = r
+                break
+        return out
 
     def header(self, key: str) -> st.Header | None:
         """A record's header without its tensor data (``mlxcache inspect``); None if absent."""
@@ -206,7 +244,7 @@ class RedisBackend(BackendBase):
             self._counters.add("errors")
             return None
         try:
-            return self._read_header(self._vkey(key))
+            return self._read_header(key)
         except _FAILURES as exc:
             self._failed("header", exc)
         except FormatError as exc:
@@ -214,9 +252,11 @@ class RedisBackend(BackendBase):
             log.warning("redis cache: unreadable header of %r: %s", key, exc)
         return None
 
-    def _read_header(self, vkey: str) -> st.Header | None:
+    def _read_header(self, key: str) -> st.Header | None:
         """Read the first bytes of a value until its header fits (across chunks if need be)."""
-        pipe = self.client.pipeline(transaction=False)
+        g = self.layout.group(key)
+        client, vkey = self._client(g), self.layout.vkey(key, g)
+        pipe = client.pipeline(transaction=False)
         pipe.getrange(vkey, 0, HEADER_PROBE - 1)
         pipe.strlen(vkey)
         prefix, size = pipe.execute()
@@ -225,14 +265,14 @@ class RedisBackend(BackendBase):
         if not is_manifest(prefix):
             need = st.header_bytes_needed(prefix)
             if need > len(prefix):
-                prefix = self.client.getrange(vkey, 0, need - 1)
+                prefix = client.getrange(vkey, 0, need - 1)
             return st.parse_header(prefix, total_size=size)
         m = parse_manifest(prefix)
         if m is None:
             raise FormatError("malformed chunk manifest")
         head = b""
-        for chunk in self._chunk_keys(m):
-            head += self.client.getrange(chunk, 0, HEADER_PROBE - 1)
+        for chunk in self._chunk_keys(g, m):
+            head += client.getrange(chunk, 0, HEADER_PROBE - 1)
             if len(head) >= st.header_bytes_needed(head):
                 break
         return st.parse_header(head, total_size=m["size"])
@@ -248,10 +288,12 @@ class RedisBackend(BackendBase):
             self._counters.add("errors")
             return
         blob = st.to_bytes(record)  # raises on a bad dtype before anything is sent
-        if self.max_bytes is not None and len(blob) > self.max_bytes:
+        budget = self.group_budget
+        if budget is not None and len(blob) > budget:
             log.warning(
-                "redis cache: refusing %r (%d bytes) larger than max_bytes=%d",
+                "redis cache: refusing %r (%d bytes) larger than max_bytes=%d%s",
                 key, len(blob), self.max_bytes,
+                f" / groups={self.groups}" if self.groups > 1 else "",
             )  # fmt: skip
             return
         try:
@@ -267,39 +309,45 @@ class RedisBackend(BackendBase):
             self._counters.add("evictions", evicted)
 
     def _commit_args(self, key: str, size: int, info: str, manifest: bytes) -> list[Any]:
-        max_bytes = -1 if self.max_bytes is None else self.max_bytes
-        return [key, size, self._ttl_ms, max_bytes, info, manifest]
+        budget = self.group_budget
+        return [key, size, self._ttl_ms, -1 if budget is None else budget, info, manifest]
 
     def _put_whole(self, key: str, blob: bytes) -> int:
-        keys = [*self._index, self._vkey(key)]
+        g = self.layout.group(key)
+        client = self._client(g)
+        keys = [*self.layout.index[g], self.layout.vkey(key, g)]
         args = self._commit_args(key, len(blob), "", b"")
-        pipe = self.client.pipeline(transaction=True)
+        pipe = client.pipeline(transaction=True)
         pipe.set(keys[-1], blob, px=self._ttl_ms or None)
-        self._eval(pipe, "commit", keys, args)
+        self._eval(pipe, "commit", g, keys, args)
         _, result = pipe.execute(raise_on_error=False)
         if isinstance(result, NoScriptError):  # the value is set; index it now
-            self._load_scripts()
-            result = self._eval(self.client, "commit", keys, args)
+            self._load_scripts(client)
+            result = self._eval(client, "commit", g, keys, args)
         if isinstance(result, Exception):
             raise result
         return int(result[1])
 
     def _put_chunked(self, key: str, blob: bytes) -> int:
+        g = self.layout.group(key)
+        client = self._client(g)
         view = memoryview(blob)
         size, step = len(blob), self.chunk_size
         gen, n = uuid.uuid4().hex, -(-len(blob) // step)
-        chunk_keys = [self._ckey(gen, i) for i in range(n)]
-        pipe = self.client.pipeline(transaction=False)
+        chunk_keys = [self.layout.ckey(g, gen, i) for i in range(n)]
+        pipe = client.pipeline(transaction=False)
         for i, ck in enumerate(chunk_keys):
             pipe.set(ck, view[i * step : (i + 1) * step], px=PENDING_CHUNK_MS)
         pipe.execute()
         manifest = make_manifest(gen, n, size)
-        keys = [*self._index, self._vkey(key), *chunk_keys]
-        status, evicted = self._script(
-            "commit", keys, self._commit_args(key, size, f"{gen}:{n}", manifest)
-        )
+        keys = [*self.layout.index[g], self.layout.vkey(key, g), *chunk_keys]
+        args = self._commit_args(key, size, f"{gen}:{n}", manifest)
+        status, evicted = self._script("commit", g, args, keys)
         if status != 1:
-            self.client.unlink(*chunk_keys)
+            pipe = client.pipeline(transaction=False)
+            for ck in chunk_keys:
+                pipe.unlink(ck)
+            pipe.execute()
             raise RedisError(f"chunks of {key!r} vanished before commit (written too slowly?)")
         return int(evicted)
 
@@ -310,7 +358,7 @@ class RedisBackend(BackendBase):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Iterable[str]) -> list[Record | None]:
-        """Fetch many records in one pipelined round trip (plus one for chunked values)."""
+        """Fetch many records: one pipelined round trip per node (plus one for chunked values)."""
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
@@ -333,46 +381,56 @@ class RedisBackend(BackendBase):
         return out
 
     def _fetch(self, keys: list[str]) -> list[Value]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            vkey = self._vkey(k)
+        groups = [self.layout.group(k) for k in keys]
+        values: list[Value] = [None] * len(keys)
+        for client, pos in self._by_node(groups):
+            values_at = self._fetch_node(client, [(keys[i], groups[i]) for i in pos])
+            for i, v in zip(pos, values_at, strict=True):
+                values[i] = v
+        return values
+
+    def _fetch_node(self, client: redis.Redis, items: list[tuple[str, int]]) -> list[Value]:
+        """GET + LRU refresh of keys on one node in one round trip; chunks in one more."""
+        pipe = client.pipeline(transaction=False)
+        for k, g in items:
+            vkey = self.layout.vkey(k, g)
             pipe.get(vkey)
-            self._eval(pipe, "touch", [*self._index, vkey], [k])
+            self._eval(pipe, "touch", g, [*self.layout.index[g], vkey], [k])
         replies = pipe.execute(raise_on_error=False)
         values: list[Value] = replies[0::2]
         for r in values:
             if isinstance(r, Exception):
                 raise r
         if any(isinstance(r, NoScriptError) for r in replies[1::2]):
-            self._load_scripts()  # only the LRU refresh was lost; next time it works
+            self._load_scripts(client)  # only the LRU refresh was lost; next time it works
         manifests = [i for i, v in enumerate(values) if v is not None and is_manifest(v)]
         if manifests:
             parsed = [parse_manifest(values[i]) for i in manifests]
-            pipe = self.client.pipeline(transaction=False)
-            for m in parsed:
+            pipe = client.pipeline(transaction=False)
+            for i, m in zip(manifests, parsed, strict=True):
                 if m:
-                    pipe.mget(self._chunk_keys(m))
+                    pipe.mget(self._chunk_keys(items[i][1], m))  # one slot: fine on a cluster
                 else:
                     pipe.echo(b"")  # keeps replies aligned; _decode reports the bad manifest
             for i, m, chunks in zip(manifests, parsed, pipe.execute(), strict=True):
                 if m:
                     seen, values[i] = values[i], complete_chunks(m, chunks)
                     if values[i] is None:  # replaced under us, or chunks lost: read it again
-                        values[i] = self._read_again(keys[i], seen)
+                        values[i] = self._read_again(client, *items[i], seen)
         return values
 
-    def _chunk_keys(self, m: dict[str, Any]) -> list[str]:
-        return [self._ckey(m["gen"], i) for i in range(m["n"])]
+    def _chunk_keys(self, g: int, m: dict[str, Any]) -> list[str]:
+        return [self.layout.ckey(g, m["gen"], i) for i in range(m["n"])]
 
-    def _read_again(self, key: str, seen: bytes) -> Value:
+    def _read_again(self, client: redis.Redis, key: str, g: int, seen: bytes) -> Value:
         """Read a chunked value once more; the same manifest with chunks still missing is lost."""
-        value = self.client.get(self._vkey(key))
+        value = client.get(self.layout.vkey(key, g))
         if value is None or not is_manifest(value):
             return value
         m = parse_manifest(value)
         if m is None:
             return value  # let _decode report it
-        chunks = complete_chunks(m, self.client.mget(self._chunk_keys(m)))
+        chunks = complete_chunks(m, client.mget(self._chunk_keys(g, m)))
         if chunks is None and value == seen:  # evicted by Redis' maxmemory, deleted by hand...
             return FormatError("chunks of a large value are missing")
         return chunks
@@ -397,7 +455,7 @@ class RedisBackend(BackendBase):
             self._counters.add("errors")
             log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
             try:
-                self._script("drop", self._index, [key])
+                self._script("drop", self.layout.group(key), [key])
             except _FAILURES as err:
                 self._failed("delete", err)
             return None
@@ -410,7 +468,7 @@ class RedisBackend(BackendBase):
             self._counters.add("errors")
             return False
         try:
-            existed = self._script("drop", self._index, [key])
+            existed = self._script("drop", self.layout.group(key), [key])
         except _FAILURES as exc:
             self._failed("delete", exc)
             return False
@@ -421,23 +479,27 @@ class RedisBackend(BackendBase):
         return self.contains_many([check_key(key)])[0]
 
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
-        """EXISTS for many keys in one pipelined round trip."""
+        """EXISTS for many keys: one pipelined round trip per node."""
         keys = [check_key(k) for k in keys]
         if not keys:
             return []
         if self._skipping():
             self._counters.add("errors")
             return [False] * len(keys)
+        groups = [self.layout.group(k) for k in keys]
+        found = [False] * len(keys)
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for k in keys:
-                pipe.exists(self._vkey(k))
-            found = pipe.execute()
+            for client, pos in self._by_node(groups):
+                pipe = client.pipeline(transaction=False)
+                for i in pos:
+                    pipe.exists(self.layout.vkey(keys[i], groups[i]))
+                for i, x in zip(pos, pipe.execute(), strict=True):
+                    found[i] = bool(x)
         except _FAILURES as exc:
             self._failed("contains", exc)
             return [False] * len(keys)
         self._ok()
-        return [bool(x) for x in found]
+        return found
 
     def keys(self, prefix: str = "") -> Iterator[str]:
         """User keys starting with ``prefix`` (SCAN, never KEYS; internal keys never listed)."""
@@ -449,14 +511,16 @@ class RedisBackend(BackendBase):
         if self._skipping():
             self._counters.add("errors")
             return
-        start = len(self.prefix.encode()) + 2
-        pattern = glob_escape(self._vkey(prefix)) + "*"
+        pattern = self.layout.value_pattern(prefix)
         seen: set[bytes] = set()
         try:
-            for raw in self.client.scan_iter(match=pattern, count=1000):
-                if raw not in seen:
-                    seen.add(raw)
-                    yield raw[start:].decode("utf-8", "replace")
+            for client in self.router.clients():
+                for raw in client.scan_iter(match=pattern, count=1000):
+                    if raw not in seen:
+                        seen.add(raw)
+                        key = self.layout.user_key(raw)
+                        if key is not None and key.startswith(prefix):
+                            yield key
         except _FAILURES as exc:
             self._failed("keys", exc)
             return
@@ -467,48 +531,60 @@ class RedisBackend(BackendBase):
             self._counters.add("errors")
             return None
         try:
-            entries, nbytes = self._script("stats", self._index, [])
+            found = self._each_group("stats", lambda g: [])
         except _FAILURES as exc:
             self._failed("stats", exc)
             return None
         self._ok()
-        return int(entries), int(nbytes)
+        return sum(int(e) for e, _ in found), sum(int(b) for _, b in found)
 
     def __len__(self) -> int:
         found = self._index_stats()
         return 0 if found is None else found[0]
 
     def clear(self) -> None:
-        """Remove every key under our prefix (SCAN + UNLINK); other keys are untouched."""
+        """Remove every key under our prefix (SCAN + UNLINK); other keys are untouched.
+
+        Keys of the layout before key groups (``{prefix}v:...``) are removed too."""
         if self._skipping():
             self._counters.add("errors")
             return
-        pattern = glob_escape(self.prefix) + "[vci]:*"
         try:
-            batch: list[bytes] = []
-            for raw in self.client.scan_iter(match=pattern, count=1000):
-                batch.append(raw)
-                if len(batch) >= 1000:
-                    self.client.unlink(*batch)
-                    batch.clear()
-            if batch:
-                self.client.unlink(*batch)
+            for client in self.router.clients():
+                for pattern in self.layout.all_patterns():
+                    batch: list[bytes] = []
+                    for raw in client.scan_iter(match=pattern, count=1000):
+                        batch.append(raw)
+                        if len(batch) >= 1000:
+                            self._unlink(client, batch)
+                            batch.clear()
+                    self._unlink(client, batch)
         except _FAILURES as exc:
             self._failed("clear", exc)
             return
         self._ok()
+
+    @staticmethod
+    def _unlink(client: redis.Redis, names: list[bytes]) -> None:
+        """UNLINK one key per command (keys of many slots may share a cluster node)."""
+        if names:
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.unlink(name)
+            pipe.execute()
 
     def stats(self) -> dict[str, Any]:
         """Entries and bytes from the shared index; hits/misses/evictions/errors of this process."""
         found = self._index_stats()
         entries, nbytes = found if found is not None else (0, 0)
         return {
-            "backend": "redis",
+            "backend": self.scheme,
             "url": self.url,
             "prefix": self.prefix,
             "entries": entries,
             "bytes": nbytes,
             "max_bytes": self.max_bytes,
+            "groups": self.groups,
             "ttl": self.ttl,
             "chunk_size": self.chunk_size,
             "available": found is not None,
@@ -517,7 +593,7 @@ class RedisBackend(BackendBase):
 
     def close(self) -> None:
         """Close pooled connections (a later call would open new ones)."""
-        self.pool.disconnect()
+        self.router.close()
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.url!r}, prefix={self.prefix!r})"
@@ -540,12 +616,31 @@ _REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_req
                   "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")  # fmt: skip
 
 
+def redis_options(opts: Options, *, groups: int, names=_REDIS_OPTIONS) -> dict[str, Any]:
+    """The typed options every Redis scheme takes, then redis-py's own (``names``)."""
+    out: dict[str, Any] = {
+        "prefix": opts.str("prefix", "mlxcache:"),
+        "ttl": opts.float("ttl", None, minimum=0.001),
+        "timeout": opts.float("timeout", DEFAULT_TIMEOUT, minimum=0.001),
+        "max_bytes": opts.size("max_bytes", None),
+        "chunk_size": opts.size("chunk_size", DEFAULT_CHUNK_SIZE),
+        "backoff": opts.float("backoff", 0.1, minimum=0.001),
+        "max_backoff": opts.float("max_backoff", 5.0, minimum=0.001),
+        "groups": opts.int("groups", groups, minimum=1),
+    }
+    for name in names:
+        value = opts.int(name, None) if name in ("db", "max_connections") else opts.str(name, None)
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
     """``redis://[user:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=0``.
 
     Options: prefix, ttl (s), timeout (s), max_bytes, chunk_size, backoff (s), max_backoff (s),
-    and for redis-py: db, username, password, max_connections, ssl_cert_reqs, ssl_ca_certs,
-    ssl_certfile, ssl_keyfile.
+    groups (default 1), and for redis-py: db, username, password, max_connections,
+    ssl_cert_reqs, ssl_ca_certs, ssl_certfile, ssl_keyfile.
     """
     scheme = url.scheme.lower()
     try:
@@ -557,28 +652,7 @@ def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
             raise ValueError("unix:// needs an absolute socket path, like unix:///run/redis.sock")
     elif url.path not in ("", "/") and not re.fullmatch(r"/\d+", url.path):
         raise ValueError(f"{scheme}:// path must be a database number like /0, got {url.path!r}")
-    prefix = opts.str("prefix", "mlxcache:")
-    ttl = opts.float("ttl", None, minimum=0.001)
-    timeout = opts.float("timeout", DEFAULT_TIMEOUT, minimum=0.001)
-    max_bytes = opts.size("max_bytes", None)
-    chunk_size = opts.size("chunk_size", DEFAULT_CHUNK_SIZE)
-    backoff = opts.float("backoff", 0.1, minimum=0.001)
-    max_backoff = opts.float("max_backoff", 5.0, minimum=0.001)
-    extra: dict[str, Any] = {}
-    for name in _REDIS_OPTIONS:
-        value = opts.int(name, None) if name in ("db", "max_connections") else opts.str(name, None)
-        if value is not None:
-            extra[name] = value
+    kwargs = redis_options(opts, groups=1)
     opts.done()
     base = f"{scheme}://{url.netloc}{url.path}"  # urlunsplit drops "//" of unix:///x
-    return RedisBackend(
-        base,
-        prefix=prefix,
-        ttl=ttl,
-        timeout=timeout,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        backoff=backoff,
-        max_backoff=max_backoff,
-        **extra,
-    )
+    return RedisBackend(base, **kwargs)
