@@ -17,7 +17,6 @@ import numpy as np
 
 from mlxcache import meta as meta_codec
 from mlxcache.backends.base import CacheBackend
-from mlxcache.backends.memory import MemoryBackend
 from mlxcache.record import Record
 from mlxcache.uri import open_backend
 
@@ -25,9 +24,9 @@ _CACHE_MODULES = ("mlx_vlm.", "mlx_lm.")
 
 
 def resolve_backend(backend: CacheBackend | str | None) -> tuple[CacheBackend, bool]:
-    """The backend to use and whether we opened it (and so close it)."""
-    if backend is None or backend == "memory://":
-        return MemoryBackend(), True
+    """The backend to use and whether we opened it (and so close it); None is ``memory://``."""
+    if backend is None:
+        backend = "memory://"
     if isinstance(backend, str):
         return open_backend(backend), True
     if not isinstance(backend, CacheBackend):
@@ -35,11 +34,6 @@ def resolve_backend(backend: CacheBackend | str | None) -> tuple[CacheBackend, b
             f"backend must be a URI str or a CacheBackend, got {type(backend).__name__}"
         )
     return backend, False
-
-
-def is_persistent(backend: CacheBackend) -> bool:
-    """Whether the backend only keeps serialized bytes (everything but the memory backend)."""
-    return not isinstance(backend, MemoryBackend)
 
 
 def is_cache_object(obj: Any) -> bool:

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mlxcache import format as fmt
 from mlxcache.backends.base import CacheBackend
 from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS
 from mlxcache.options import parse_size
@@ -31,24 +32,10 @@ def _errors(backend: CacheBackend) -> int:
     return int(backend.stats().get("errors", 0))
 
 
-class _LastWarning(logging.Handler):
-    """Keeps the backends' warnings so a failure is reported as one line that names its cause."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.last = ""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.last = record.getMessage()
-
-
-_WARNINGS = _LastWarning()
-
-
 def _check_reachable(backend: CacheBackend, before: int, uri: str) -> None:
     """The backends turn store failures into misses; the CLI turns them back into an error."""
     if _errors(backend) > before:
-        cause = _WARNINGS.last or "unreachable or unreadable"
+        cause = getattr(backend, "last_error", None) or "unreachable or unreadable"
         raise CLIError(f"the cache at {uri} failed: {cause}")
 
 
@@ -82,20 +69,13 @@ def cmd_ls(args: argparse.Namespace) -> None:
 
 def _describe(backend: CacheBackend, key: str) -> dict[str, Any] | None:
     """Header, tensors and sizes of one record; no tensor data is loaded where avoidable."""
-    from mlxcache import format as st
-
-    header_of = getattr(backend, "header", None)  # disk and Redis read only the header
+    header_of = getattr(backend, "header", None)  # BackendBase's; file and Redis read the header
     if header_of is not None:
         header = header_of(key)
-        return None if header is None else st.describe(header)
-    record = backend.get(key)
-    if record is None:
-        return None
-    tensors = [
-        {"name": n, "dtype": str(a.dtype), "shape": list(a.shape), "bytes": a.nbytes}
-        for n, a in record.arrays.items()
-    ]
-    return {"bytes": record.nbytes, "meta": st.jsonable(dict(record.meta)), "tensors": tensors}
+    else:  # a protocol-only third-party backend
+        record = backend.get(key)
+        header = None if record is None else fmt.header_of(record)
+    return None if header is None else fmt.describe(header)
 
 
 def cmd_inspect(args: argparse.Namespace) -> None:
@@ -147,8 +127,12 @@ def cmd_gc(args: argparse.Namespace) -> None:
         raise CLIError(str(exc)) from None
     with _open(args.uri) as backend:
         before_bytes = backend.stats()["bytes"]
-    with _open(args.uri, max_bytes=max_bytes) as backend:  # opening with a budget enforces it
+    with _open(args.uri) as backend:
         before = _errors(backend)
+        trim = getattr(backend, "trim", None)
+        if trim is None:
+            raise CLIError(f"the backend of {args.uri} cannot evict on demand (no trim())")
+        trim(max_bytes)
         stats = backend.stats()
         _check_reachable(backend, before, args.uri)
     result = {
@@ -270,12 +254,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logger = logging.getLogger("mlxcache")
     propagate = logger.propagate
-    _WARNINGS.last = ""
-    logger.addHandler(_WARNINGS)
+    quiet = None
     if args.verbose:
         logging.basicConfig(level=logging.INFO, format="mlxcache: %(levelname)s: %(message)s")
     else:
         logger.propagate = False  # a failure is reported once, by the error line
+        quiet = logging.NullHandler()  # else logging's last-resort handler prints warnings
+        logger.addHandler(quiet)
     try:
         return args.func(args) or 0
     except CLIError as exc:
@@ -285,8 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("mlxcache: interrupted", file=sys.stderr)
         return 130
     finally:
-        logger.removeHandler(_WARNINGS)
         logger.propagate = propagate
+        if quiet is not None:
+            logger.removeHandler(quiet)
 
 
 if __name__ == "__main__":

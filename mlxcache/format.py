@@ -313,6 +313,12 @@ def read_file(path: str | os.PathLike) -> Record:
     return Record(arrays=arrays, meta=header.meta)
 
 
+def header_of(record: Record) -> Header:
+    """The header :func:`encode` writes for ``record`` (for stores that hold records, not bytes)."""
+    head, views = encode(record)
+    return parse_header(head, total_size=len(head) + sum(v.nbytes for v in views))
+
+
 def _raw_view(a: mx.array) -> memoryview:
     return memoryview(a).cast("B") if a.nbytes else memoryview(b"")
 
@@ -349,6 +355,7 @@ __all__ = [
     "encode",
     "from_buffers",
     "from_bytes",
+    "header_of",
     "parse_header",
     "read_file",
     "read_header",

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mlxcache import _compat
-from mlxcache.backends.base import CacheBackend
+from mlxcache.backends.base import CacheBackend, is_persistent
 from mlxcache.hashing import _base64_bytes, images_digest
 from mlxcache.hashing import image_digest as _image_digest
 from mlxcache.record import Record
@@ -189,7 +189,7 @@ class MLLMPrefixCacheManager:
         self.max_memory = max_memory_mb * 1024 * 1024
         self.stats = MLLMCacheStats()
         self._backend, self._owned = _compat.resolve_backend(backend)
-        self._persistent = _compat.is_persistent(self._backend)
+        self._persistent = is_persistent(self._backend)
         self._where = repr(backend) if isinstance(backend, str) else type(backend).__name__
         self._live: dict[str, dict[str, Any]] = {}  # memory backend only: non-MLX payloads
         self._lru = _compat.LRU()

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional  # noqa: UP035 - signatures as vllm
 import mlx.core as mx
 
 from mlxcache import _compat
-from mlxcache.backends.base import CacheBackend
+from mlxcache.backends.base import CacheBackend, is_persistent
 from mlxcache.mllm_cache import _group, compute_image_hash, compute_images_hash
 from mlxcache.record import Record
 
@@ -150,7 +150,7 @@ class VisionEmbeddingCache:
         self.max_memory = max_memory_mb * 1024 * 1024
         self.stats = VisionCacheStats()
         self._backend, self._owned = _compat.resolve_backend(backend)
-        self._persistent = _compat.is_persistent(self._backend)
+        self._persistent = is_persistent(self._backend)
         self._where = repr(backend) if isinstance(backend, str) else type(backend).__name__
         self._lru = {kind: _compat.LRU() for kind in _FIELDS}
         self._live: dict[str, dict[str, Any]] = {}

@@ -7,38 +7,10 @@ import struct
 import mlx.core as mx
 import pytest
 import safetensors
+from helpers import assert_same, bits, sample_record
 
 from mlxcache import FormatError, Record, UnsupportedVersionError
 from mlxcache import format as st
-
-ALL_DTYPES = [
-    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
-    mx.int64, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64,
-]  # fmt: skip
-
-
-def bits(a: mx.array) -> bytes:
-    return bytes(memoryview(mx.contiguous(a)))
-
-
-def sample_record() -> Record:
-    mx.random.seed(1)
-    arrays = {f"t{i}": (mx.random.normal((3, 5)) * 100).astype(d) for i, d in enumerate(ALL_DTYPES)}
-    arrays["strided"] = mx.random.normal((2, 6, 4)).astype(mx.bfloat16)[:, 1:4, :]
-    arrays["empty"] = mx.zeros((0, 7), dtype=mx.bfloat16)
-    arrays["scalar"] = mx.array(7, dtype=mx.int32)
-    # a NaN with a payload: a float32 round trip would not keep these bits
-    arrays["nan_payload"] = mx.array([0x7FC1, 0xFFFF, 0x0001], dtype=mx.uint16).view(mx.bfloat16)
-    return Record(arrays, {"tokens": [1, 2, 3], "name": "x", "raw": b"\x00\xff", "n": None})
-
-
-def assert_same(a: Record, b: Record) -> None:
-    assert list(a.arrays) == list(b.arrays) or set(a.arrays) == set(b.arrays)
-    for name, x in a.arrays.items():
-        y = b.arrays[name]
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
-        assert bits(x) == bits(y), name
-    assert dict(a.meta) == dict(b.meta)
 
 
 def test_bytes_round_trip_is_bit_exact_for_every_dtype():

@@ -14,6 +14,7 @@ import time
 
 import mlx.core as mx
 import pytest
+from helpers import CountingBackend
 from mlx_vlm.models.cache import KVCache, QuantizedKVCache
 from PIL import Image
 from threads import run_threads
@@ -346,28 +347,16 @@ def test_threads_store_and_fetch_safely():
     assert s["memory_used_mb"] * 2**20 == len(m) * one
 
 
-class CountingBackend(MemoryBackend):
-    """A real memory backend that counts reads, to show lookups do not scan."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.gets = 0
-
-    def get(self, key):
-        self.gets += 1
-        return super().get(key)
-
-
 def test_image_only_lookup_uses_the_index_not_a_scan():
     backend = CountingBackend()
     m = MLLMCacheManager(max_entries=100, backend=backend)
     for i in range(40):
         m.store([f"other{i}"], "p", mx.ones((2, 2)), kv(2), [i, 1])
     m.store(["x.jpg"], "first prompt", mx.full((3, 4), 5.0), kv(3), [7, 8, 9])
-    backend.gets = 0
+    backend.reads = 0
     entry, n = m.fetch(["x.jpg"], "a new prompt")
     assert n == 0 and entry.vision_embeddings.tolist() == [[5.0] * 4] * 3
-    assert backend.gets <= 3  # exact key, the images' index, the entry
+    assert backend.reads <= 3  # exact key, the images' index, the entry
     assert m.stats.partial_hits == 1 and m.stats.vision_encoder_skips == 1
     # the legacy API never hands out another prompt's KV as a hit (vllm-mlx does)
     assert m.fetch_cache(["x.jpg"], "a new prompt") == (None, False)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from collections import Counter
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import CountingBackend, bits
 from mlx_vlm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
 from mlxcache import PrefixCache, PrefixHit, model_identity, open_backend, truncate_prompt_cache
@@ -44,10 +46,6 @@ def prefill(model, ids, cache=None, rope_deltas=None):
     logits = lm(mx.array([list(ids)]), cache=cache, **kw).logits[0, -1]
     mx.eval(logits)
     return logits, cache
-
-
-def bits(a: mx.array) -> bytes:
-    return bytes(memoryview(a))
 
 
 def prompt(n, seed=0):
@@ -279,37 +277,17 @@ def test_bad_arguments_fail_before_anything_is_written(turn1):
     assert len(backend) == 0
 
 
-class CountingBackend(MemoryBackend):
-    """A real memory backend that counts round trips."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = {"contains_many": 0, "get_many": 0, "get": 0}
-
-    def contains_many(self, keys):
-        self.calls["contains_many"] += 1
-        return super().contains_many(keys)
-
-    def get_many(self, keys):
-        self.calls["get_many"] += 1
-        return [MemoryBackend.get(self, k) for k in keys]
-
-    def get(self, key):  # a single get outside get_many would be another round trip
-        self.calls["get"] += 1
-        return super().get(key)
-
-
 def test_lookup_round_trips(turn1):
     ids, cache = turn1
     backend = CountingBackend()
     pc = PrefixCache(backend, model="qwen", block_size=BS)
     pc.store(ids, cache)
-    backend.calls = dict.fromkeys(backend.calls, 0)
+    backend.calls.clear()
     assert pc.lookup(ids).num_tokens == 40
-    assert backend.calls == {"contains_many": 1, "get_many": 1, "get": 0}
-    backend.calls = dict.fromkeys(backend.calls, 0)
+    assert backend.calls == Counter(contains_many=1, get_many=1)
+    backend.calls.clear()
     assert pc.lookup(ids + prompt(200, seed=16)).num_tokens == 40
-    assert backend.calls == {"contains_many": 2, "get_many": 1, "get": 0}
+    assert backend.calls == Counter(contains_many=2, get_many=1)
 
 
 def test_model_identity():

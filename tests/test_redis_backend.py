@@ -15,6 +15,7 @@ import time
 import mlx.core as mx
 import pytest
 import redis
+from helpers import assert_same, bits, blob_record, run_py, sample_record
 from redis_server import RedisServer, free_port
 
 import mlxcache
@@ -24,40 +25,6 @@ from mlxcache.backends.redis import RedisBackend
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-DTYPES = [
-    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32,
-    mx.int64, mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64,
-]  # fmt: skip
-
-
-def bits(a: mx.array) -> bytes:
-    return bytes(memoryview(mx.contiguous(a)))
-
-
-def assert_same(a: Record, b: Record) -> None:
-    assert set(a.arrays) == set(b.arrays)
-    for name, x in a.arrays.items():
-        y = b.arrays[name]
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
-        assert bits(x) == bits(y), name
-    assert dict(a.meta) == dict(b.meta)
-
-
-def sample_record() -> Record:
-    mx.random.seed(3)
-    arrays = {f"t{i}": (mx.random.normal((3, 5)) * 100).astype(d) for i, d in enumerate(DTYPES)}
-    arrays["kv_bf16"] = mx.random.normal((1, 2, 33, 8)).astype(mx.bfloat16)[:, :, 1:30, :]
-    arrays["nan_payload"] = mx.array([0x7FC1, 0xFFFF, 0x0001], dtype=mx.uint16).view(mx.bfloat16)
-    arrays["empty"] = mx.zeros((0, 4), dtype=mx.bfloat16)
-    return Record(arrays, {"tokens": [1, 2, 3], "model": "tiny", "raw": b"\x00\xff"})
-
-
-def blob_record(nbytes: int, seed: int = 0) -> Record:
-    """A record whose stored size is nbytes plus a small header."""
-    data = mx.random.randint(0, 256, (nbytes,), dtype=mx.uint8, key=mx.random.key(seed))
-    mx.eval(data)  # MLX evaluates a graph only on the thread that built it
-    return Record({"x": data}, {"seed": seed})
-
 
 def stored_size(record: Record) -> int:
     return len(st.to_bytes(record))
@@ -65,16 +32,6 @@ def stored_size(record: Record) -> int:
 
 def raw(url: str) -> redis.Redis:
     return redis.Redis.from_url(url)
-
-
-def run_py(code: str, *args: str, timeout: float = 60) -> str:
-    env = {**os.environ, "PYTHONPATH": ROOT}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        capture_output=True, text=True, env=env, timeout=timeout,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
 
 
 # ---------------------------------------------------------------- round trips

@@ -1,16 +1,26 @@
-"""The CacheBackend protocol, and the small pieces every backend shares."""
+"""The CacheBackend protocol, and BackendBase: the policy every backend shares.
+
+A backend stores Records under string keys and knows nothing of models, tokens or images.
+:class:`BackendBase` owns what the protocol promises (argument checks, refusal of records over
+the budget, counters, store failures read as misses, a reconnect backoff); a backend implements
+only its raw operations (``_get_many``, ``_put``, ...), as diskcache's ``Cache`` keeps policy
+apart from its ``Disk``. See docs/backends.md.
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
+from mlxcache import format as fmt
 from mlxcache.record import Record
 
 log = logging.getLogger("mlxcache")
+
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -56,16 +66,34 @@ def check_record(record: object) -> Record:
     return record
 
 
+def check_budget(name: str, value: object) -> int | None:
+    """``value`` if it is None or an int >= 0 (a byte or entry budget), else ValueError."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
+    return value
+
+
+def is_persistent(backend: CacheBackend) -> bool:
+    """Whether a backend keeps only serialized bytes (it cannot hold live Python objects).
+
+    Backends declare it with a ``persistent`` attribute; one that does not is taken to be
+    persistent, the safe assumption.
+    """
+    return bool(getattr(backend, "persistent", True))
+
+
 class Counters:
     """Thread-safe hit/miss/eviction/error counters for ``stats()``."""
 
+    NAMES = ("hits", "misses", "evictions", "errors")
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.values = {"hits": 0, "misses": 0, "evictions": 0, "errors": 0}
+        self.values = dict.fromkeys(self.NAMES, 0)
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
-            self.values[name] += n
+            self.values[name] = self.values.get(name, 0) + n
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -87,16 +115,236 @@ class RateLimitedLog:
 
 
 class BackendBase:
-    """Context manager and batch defaults; backends override what they can do faster."""
+    """The protocol's policy over a backend's raw operations.
+
+    Subclasses set ``scheme`` (and ``persistent = False`` if they keep live objects), call
+    ``super().__init__`` and implement ``_prepare``, ``_put``, ``_get_many``,
+    ``_contains_many``, ``_delete``, ``_keys``, ``_count``, ``_clear``, ``_stats`` and
+    ``_trim``; ``_header`` and ``_close`` are optional. A raw operation may raise anything:
+    the base counts it in ``stats()["errors"]``, logs it (rate-limited), keeps its text in
+    ``last_error`` and returns the call's miss value. Errors of a type in ``_unreachable``
+    mean the store is gone: calls are then skipped for a backoff that doubles from
+    ``backoff`` up to ``max_backoff`` seconds, and tried again after it.
+    """
+
+    scheme = "backend"
+    persistent = True
+    _unreachable: tuple[type[BaseException], ...] = ()
+
+    def __init__(
+        self,
+        *,
+        max_bytes: int | None = None,
+        backoff: float = 0.1,
+        max_backoff: float = 5.0,
+    ) -> None:
+        self.max_bytes = check_budget("max_bytes", max_bytes)
+        if not 0 < backoff <= max_backoff:
+            raise ValueError(f"need 0 < backoff <= max_backoff, got {backoff}, {max_backoff}")
+        self.backoff, self.max_backoff = backoff, max_backoff
+        self.last_error: str | None = None
+        self._counters = Counters()
+        self._rlog = RateLimitedLog()
+        self._breaker = threading.Lock()
+        self._down_until = 0.0
+        self._delay = backoff
+
+    # ------------------------------------------------------------ raw operations
+
+    def _prepare(self, key: str, record: Record) -> tuple[Any, int]:
+        """What ``_put`` stores and its size in bytes; raises on a record it cannot store."""
+        return record, record.nbytes
+
+    def _put(self, key: str, payload: Any, size: int) -> int:
+        """Store ``payload`` under ``key``; returns how many entries were evicted for it."""
+        raise NotImplementedError
+
+    def _get_many(self, keys: list[str]) -> list[Record | None]:
+        raise NotImplementedError
+
+    def _contains_many(self, keys: list[str]) -> list[bool]:
+        raise NotImplementedError
+
+    def _delete(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def _keys(self, prefix: str) -> Iterable[str]:
+        raise NotImplementedError
+
+    def _count(self) -> int:
+        raise NotImplementedError
+
+    def _clear(self) -> None:
+        raise NotImplementedError
+
+    def _stats(self) -> dict[str, Any]:
+        """``entries`` and ``bytes`` as the store counts them now."""
+        raise NotImplementedError
+
+    def describe(self) -> dict[str, Any]:
+        """What this backend is (location, options) for ``stats()``; read without the store."""
+        return {}
+
+    def _trim(self, max_bytes: int) -> int:
+        """Evict least recently used entries until the store holds at most ``max_bytes``."""
+        raise NotImplementedError
+
+    def _header(self, key: str) -> fmt.Header | None:
+        """A record's header; backends that can read it without the tensor data override this."""
+        found = self._get_many([key])[0]
+        return None if found is None else fmt.header_of(found)
+
+    def _close(self) -> None:
+        """Release connections or files; the default has nothing to release."""
+
+    # ------------------------------------------------------------ policy
+
+    def _skipping(self) -> bool:
+        return time.monotonic() < self._down_until
+
+    def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False) -> None:
+        """Count a failure of ``op``, keep it in ``last_error`` and log it (rate-limited).
+
+        An unreachable store starts the backoff. ``logged=True``: the caller logs its own line.
+        """
+        self._counters.add("errors", n)
+        text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+        where = f"{self.scheme} cache {self.where()}".rstrip()
+        if isinstance(exc, self._unreachable):
+            with self._breaker:
+                delay = self._delay
+                self._down_until = time.monotonic() + delay
+                self._delay = min(delay * 2, self.max_backoff)
+            self.last_error = f"{where} unreachable during {op} ({exc})"
+            topic = "down"
+        else:
+            self.last_error = f"{where}: {op} failed: {text}"
+            topic = op
+        if not logged:
+            self._rlog.warning(topic, "%s", self.last_error)
+
+    def _guard(self, op: str, miss: T, fn: Callable[..., T], *args: Any, n: int = 1) -> T:
+        """Run a raw operation; a failure (or a store in backoff) is ``miss``, counted."""
+        if self._skipping():
+            self._counters.add("errors", n)
+            return miss
+        try:
+            result = fn(*args)
+        except Exception as exc:
+            self.error(op, exc, n)
+            return miss
+        self._ok()
+        return result
+
+    def _ok(self) -> None:
+        """The store answered: the next failure starts the backoff from ``backoff`` again."""
+        if self._delay != self.backoff:
+            with self._breaker:
+                self._delay = self.backoff
+
+    def where(self) -> str:
+        """Where the store is, for messages (never with a password)."""
+        return ""
+
+    # ------------------------------------------------------------ the protocol
+
+    def get(self, key: str) -> Record | None:
+        return self.get_many([check_key(key)])[0]
 
     def get_many(self, keys: Iterable[str]) -> list[Record | None]:
-        return [self.get(k) for k in keys]  # type: ignore[attr-defined]
+        """Records of ``keys`` in order, None for each miss (one batch where the store can)."""
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        n = len(keys)
+        out = self._guard("get", [None] * n, self._get_many, keys, n=n)
+        hits = sum(r is not None for r in out)
+        self._counters.add("hits", hits)
+        self._counters.add("misses", n - hits)
+        return out
+
+    def put(self, key: str, record: Record) -> None:
+        """Store ``record`` under ``key``; refused when over ``max_bytes``, a no-op on failure."""
+        check_key(key)
+        check_record(record)
+        if self.max_bytes == 0 or self._refuses_all():
+            return
+        if self._skipping():
+            self._counters.add("errors")
+            return
+        payload, size = self._prepare(key, record)  # a record it cannot store raises here
+        if self.max_bytes is not None and size > self.max_bytes:
+            log.warning(
+                "%s cache: refusing %r (%d bytes) larger than max_bytes=%d",
+                self.scheme, key, size, self.max_bytes,
+            )  # fmt: skip
+            return
+        evicted = self._guard("put", 0, self._put, key, payload, size)
+        if evicted:
+            self._counters.add("evictions", evicted)
+
+    def _refuses_all(self) -> bool:
+        """True when another budget of the backend is zero (e.g. ``max_entries=0``)."""
+        return False
+
+    def delete(self, key: str) -> bool:
+        return self._guard("delete", False, self._delete, check_key(key))
+
+    def __contains__(self, key: object) -> bool:
+        return self.contains_many([check_key(key)])[0]
 
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
-        return [k in self for k in keys]  # type: ignore[operator]
+        """Whether each key is stored, in one batch where the store can."""
+        keys = [check_key(k) for k in keys]
+        if not keys:
+            return []
+        return self._guard("contains", [False] * len(keys), self._contains_many, keys)
+
+    def keys(self, prefix: str = "") -> Iterator[str]:
+        """Keys starting with ``prefix`` (empty on failure)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+        return iter(self._guard("keys", [], lambda: list(self._keys(prefix))))
+
+    def __len__(self) -> int:
+        return self._guard("len", 0, self._count)
+
+    def clear(self) -> None:
+        """Delete every entry of this store (for a shared store: of every process)."""
+        self._guard("clear", None, self._clear)
+
+    def trim(self, max_bytes: int) -> int:
+        """Evict least recently used entries down to ``max_bytes``; returns how many went."""
+        check_budget("max_bytes", max_bytes)
+        if max_bytes is None:
+            raise ValueError("trim needs a byte budget, got None")
+        evicted = self._guard("trim", 0, self._trim, max_bytes)
+        if evicted:
+            self._counters.add("evictions", evicted)
+        return evicted
+
+    def header(self, key: str) -> fmt.Header | None:
+        """Metadata and tensor table of ``key`` (no tensor data where the backend can)."""
+        return self._guard("header", None, self._header, check_key(key))
+
+    def stats(self) -> dict[str, Any]:
+        """Entries and bytes of the store, this process's counters, and ``available``."""
+        found = self._guard("stats", None, self._stats)
+        return {
+            "backend": self.scheme,
+            **self.describe(),
+            **(found if found is not None else {"entries": 0, "bytes": 0}),
+            "max_bytes": self.max_bytes,
+            "available": found is not None,
+            **self._counters.snapshot(),
+        }
+
+    def close(self) -> None:
+        """Release connections and files (a later call may open them again)."""
+        self._guard("close", None, self._close)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()  # type: ignore[attr-defined]
+        self.close()

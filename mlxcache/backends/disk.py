@@ -18,7 +18,6 @@ writer (temp files, files renamed but never published) can be told from a live w
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import os
 import secrets
@@ -32,14 +31,7 @@ from typing import Any
 from urllib.parse import SplitResult, unquote
 
 from mlxcache import format as st
-from mlxcache.backends.base import (
-    BackendBase,
-    Counters,
-    RateLimitedLog,
-    check_key,
-    check_record,
-    log,
-)
+from mlxcache.backends.base import BackendBase, log
 from mlxcache.backends.disk_files import fsync_dir, sweep_debris, unlink, write_file
 from mlxcache.errors import FormatError
 from mlxcache.options import Options
@@ -94,22 +86,18 @@ class DiskBackend(BackendBase):
     once open, every store failure is a miss or a no-op.
     """
 
+    scheme = "file"
+
     def __init__(
         self, path: str | os.PathLike, max_bytes: int | None = None, timeout: float = 10.0
     ) -> None:
-        if max_bytes is not None and (
-            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
-        ):
-            raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+        super().__init__(max_bytes=max_bytes)
         self.root = Path(os.path.expanduser(os.fspath(path))).absolute()
-        self.max_bytes = max_bytes
         self.timeout = float(timeout)
         self._data = self.root / "data"
         self._tmp = self.root / "tmp"
         self._quarantine = self.root / "quarantine"
         self._index = self.root / "index.sqlite"
-        self._counters = Counters()
-        self._rlog = RateLimitedLog()
         self._conns_lock = threading.Lock()
         self._reset_connections()
         try:
@@ -126,13 +114,10 @@ class DiskBackend(BackendBase):
             raise (OSError(errno_, msg) if errno_ else OSError(msg)) from exc
         self._sweep()
         if max_bytes is not None:
-            try:
-                if self._settings()["size"] > max_bytes:
-                    with self._transaction() as db:
-                        evicted = self._evict(db, max_bytes)
-                    self._remove_files(evicted, evicted=len(evicted))
-            except sqlite3.Error as exc:
-                self._sql_error("evict", exc)
+            self.trim(max_bytes)  # opening with a smaller budget enforces it at once
+
+    def where(self) -> str:
+        return str(self.root)
 
     # ------------------------------------------------------------ connections
 
@@ -242,28 +227,28 @@ class DiskBackend(BackendBase):
                     break
         return files
 
-    def _remove_files(self, files: Iterable[str | None], evicted: int = 0) -> None:
+    def _remove_files(self, files: Iterable[str | None]) -> None:
         """Delete files the index no longer names (after the commit that dropped them)."""
-        if evicted:
-            self._counters.add("evictions", evicted)
         for file in files:
             if file:
                 unlink(self._data / file)
 
-    def _sql_error(self, what: str, exc: Exception) -> None:
-        self._counters.add("errors")
-        self._rlog.warning(
-            f"sql-{what}", "file cache: index %s failed in %s: %s", what, self.root, exc
-        )
+    def _trim(self, max_bytes: int) -> int:
+        if self._settings()["size"] <= max_bytes:
+            return 0
+        with self._transaction() as db:
+            evicted = self._evict(db, max_bytes)
+        self._remove_files(evicted)
+        return len(evicted)
 
     def _discard(self, key: str, file: str, exc: BaseException) -> None:
         """Drop an entry whose file cannot be read: unindex it, move the file to quarantine."""
-        self._counters.add("errors")
+        self.error("get", f"unreadable entry {key!r}: {exc}", logged=True)
         try:
             with self._transaction() as db:
                 db.execute("DELETE FROM entries WHERE key = ? AND file = ?", (key, file))
         except sqlite3.Error as sql_exc:
-            self._sql_error("discard", sql_exc)
+            self.error("discard", sql_exc)
             return
         src = self._data / file
         try:
@@ -296,8 +281,7 @@ class DiskBackend(BackendBase):
             try:
                 return read(self._data / file), file
             except MemoryError:
-                self._counters.add("errors")
-                log.warning("file cache: out of memory reading %r", key)
+                self.error("get", f"out of memory reading {key!r}")
                 return None, None
             except Exception as exc:
                 row = (
@@ -310,8 +294,7 @@ class DiskBackend(BackendBase):
                 if isinstance(exc, FormatError) or not path.exists():
                     self._discard(key, file, exc)  # the index still names it: really unreadable
                 else:  # could not open it now (EMFILE, EIO...): a miss, the entry stays
-                    self._counters.add("errors")
-                    self._rlog.warning("read", "file cache: could not read %r: %s", key, exc)
+                    self.error("read", exc)
                 return None, None
         return None, None
 
@@ -327,120 +310,65 @@ class DiskBackend(BackendBase):
                     [(now, k, f) for k, f in pairs],
                 )
         except sqlite3.Error as exc:
-            self._sql_error("touch", exc)
+            self.error("touch", exc)
 
-    def get(self, key: str) -> Record | None:
-        return self.get_many([key])[0]
-
-    def header(self, key: str) -> st.Header | None:
+    def _header(self, key: str) -> st.Header | None:
         """Metadata and tensor table of ``key`` without its tensor data (``mlxcache inspect``)."""
-        check_key(key)
-        try:
-            file = self._lookup([key]).get(key)
-            return self._load(key, file, st.read_header)[0]
-        except sqlite3.Error as exc:
-            self._sql_error("header", exc)
-            return None
+        return self._load(key, self._lookup([key]).get(key), st.read_header)[0]
 
-    def get_many(self, keys: Iterable[str]) -> list[Record | None]:
-        keys = [check_key(k) for k in keys]
-        try:
-            files = self._lookup(keys)
-        except sqlite3.Error as exc:
-            self._sql_error("get", exc)
-            files = {}
+    def _get_many(self, keys: list[str]) -> list[Record | None]:
+        files = self._lookup(keys)
         out: list[Record | None] = []
         used: list[tuple[str, str]] = []
         for key in keys:
             try:
                 record, file = self._load(key, files.get(key))
             except sqlite3.Error as exc:
-                self._sql_error("get", exc)
+                self.error("get", exc)
                 record, file = None, None
             out.append(record)
             if record is not None and file is not None:
                 used.append((key, file))
         self._touch(used)
-        hits = sum(r is not None for r in out)
-        self._counters.add("hits", hits)
-        self._counters.add("misses", len(out) - hits)
         return out
 
-    def __contains__(self, key: object) -> bool:
-        return self.contains_many([key])[0]  # type: ignore[list-item]
-
-    def contains_many(self, keys: Iterable[str]) -> list[bool]:
-        keys = [check_key(k) for k in keys]
-        try:
-            found = self._lookup(keys)
-        except sqlite3.Error as exc:
-            self._sql_error("contains", exc)
-            found = {}
+    def _contains_many(self, keys: list[str]) -> list[bool]:
+        found = self._lookup(keys)
         return [k in found for k in keys]
 
-    def keys(self, prefix: str = "") -> Iterator[str]:
+    def _keys(self, prefix: str) -> list[str]:
         """Keys starting with ``prefix``, in sorted order, from the index alone."""
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be str, got {type(prefix).__name__}")
         found: list[str] = []
-        try:
-            # UTF-8 byte order is code point order, so the matches are one contiguous run
-            cur = self._db().execute(
-                "SELECT key FROM entries WHERE key >= ? ORDER BY key", (prefix,)
-            )
-            while rows := cur.fetchmany(256):
-                stop = False
-                for (key,) in rows:
-                    if not key.startswith(prefix):
-                        stop = True
-                        break
-                    found.append(key)
-                if stop:
-                    break
-        except sqlite3.Error as exc:
-            self._sql_error("keys", exc)
-        return iter(found)
+        # UTF-8 byte order is code point order, so the matches are one contiguous run
+        cur = self._db().execute("SELECT key FROM entries WHERE key >= ? ORDER BY key", (prefix,))
+        while rows := cur.fetchmany(256):
+            for (key,) in rows:
+                if not key.startswith(prefix):
+                    return found
+                found.append(key)
+        return found
 
     def _settings(self) -> dict[str, int]:
         return dict(self._db().execute("SELECT key, value FROM settings"))
 
-    def __len__(self) -> int:
-        try:
-            return self._settings()["count"]
-        except sqlite3.Error as exc:
-            self._sql_error("len", exc)
-            return 0
+    def _count(self) -> int:
+        return self._settings()["count"]
 
-    def stats(self) -> dict[str, Any]:
-        try:
-            settings = self._settings()
-        except sqlite3.Error as exc:
-            self._sql_error("stats", exc)
-            settings = {"count": 0, "size": 0}
-        return {
-            "backend": "file",
-            "path": str(self.root),
-            "entries": settings["count"],
-            "bytes": settings["size"],
-            "max_bytes": self.max_bytes,
-            **self._counters.snapshot(),
-        }
+    def _stats(self) -> dict[str, Any]:
+        settings = self._settings()
+        return {"entries": settings["count"], "bytes": settings["size"]}
+
+    def describe(self) -> dict[str, Any]:
+        return {"path": str(self.root)}
 
     # ------------------------------------------------------------ writes
 
-    def put(self, key: str, record: Record) -> None:
-        check_key(key)
-        check_record(record)
-        if self.max_bytes == 0:
-            return
+    def _prepare(self, key: str, record: Record) -> tuple[Any, int]:
         head, views = st.encode(record)  # bad dtypes raise here, before any file exists
-        size = len(head) + sum(v.nbytes for v in views)
-        if self.max_bytes is not None and size > self.max_bytes:
-            log.warning(
-                "file cache: refusing %r (%d bytes) larger than max_bytes=%d",
-                key, size, self.max_bytes,
-            )  # fmt: skip
-            return
+        return (head, views), len(head) + sum(v.nbytes for v in views)
+
+    def _put(self, key: str, payload: Any, size: int) -> int:
+        head, views = payload
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
         token = secrets.token_hex(6)
         pid = os.getpid()
@@ -448,64 +376,41 @@ class DiskBackend(BackendBase):
         tmp = self._tmp / f"{pid}-{token}.tmp"
         final = self._data / name
         try:
-            try:
-                write_file(str(tmp), head, views)
-                if not final.parent.is_dir():
-                    final.parent.mkdir(exist_ok=True)
-                    fsync_dir(self._data)
-                os.replace(tmp, final)
-                fsync_dir(final.parent)
-            except OSError as exc:
-                unlink(tmp)
-                unlink(final)
-                self._counters.add("errors")
-                topic = "enospc" if exc.errno == errno.ENOSPC else "write"
-                self._rlog.warning(topic, "file cache: could not store %r: %s", key, exc)
-                return
-        except BaseException:
-            unlink(tmp)
-            unlink(final)
-            raise
-        try:
+            write_file(str(tmp), head, views)
+            if not final.parent.is_dir():
+                final.parent.mkdir(exist_ok=True)
+                fsync_dir(self._data)
+            os.replace(tmp, final)
+            fsync_dir(final.parent)
             now = time.time()
             with self._transaction() as db:
                 row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
                 db.execute(_UPSERT, (key, name, size, now, now))
                 evicted = [] if self.max_bytes is None else self._evict(db, self.max_bytes, key)
-        except BaseException as exc:
+        except BaseException:  # nothing was published: leave no file behind
+            unlink(tmp)
             unlink(final)
-            if not isinstance(exc, sqlite3.Error):
-                raise
-            self._sql_error("put", exc)
-            return
-        self._remove_files([row[0] if row else None, *evicted], evicted=len(evicted))
+            raise
+        self._remove_files([row[0] if row else None, *evicted])
+        return len(evicted)
 
-    def delete(self, key: str) -> bool:
-        check_key(key)
-        try:
-            with self._transaction() as db:
-                row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
-                if row is not None:
-                    db.execute("DELETE FROM entries WHERE key = ?", (key,))
-        except sqlite3.Error as exc:
-            self._sql_error("delete", exc)
-            return False
+    def _delete(self, key: str) -> bool:
+        with self._transaction() as db:
+            row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
+            if row is not None:
+                db.execute("DELETE FROM entries WHERE key = ?", (key,))
         if row is None:
             return False
         self._remove_files([row[0]])
         return True
 
-    def clear(self) -> None:
-        try:
-            with self._transaction() as db:
-                files = [f for (f,) in db.execute("SELECT file FROM entries")]
-                db.execute("DELETE FROM entries")
-        except sqlite3.Error as exc:
-            self._sql_error("clear", exc)
-            return
+    def _clear(self) -> None:
+        with self._transaction() as db:
+            files = [f for (f,) in db.execute("SELECT file FROM entries")]
+            db.execute("DELETE FROM entries")
         self._remove_files(files)
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Close this process's index connections; a later call opens them again."""
         with self._conns_lock:
             conns, self._conns = self._conns, []

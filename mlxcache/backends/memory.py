@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
 from typing import Any
 from urllib.parse import SplitResult
 
 import mlx.core as mx
 
 from mlxcache import meta as meta_codec
-from mlxcache.backends.base import BackendBase, Counters, check_key, check_record, log
+from mlxcache.backends.base import BackendBase, check_budget
 from mlxcache.options import Options
 from mlxcache.record import Record
 
@@ -28,60 +27,64 @@ def detached(record: Record) -> Record:
 
 
 class MemoryBackend(BackendBase):
-    """LRU over ``max_bytes`` (tensor bytes, once per key) and ``max_entries``; thread-safe."""
+    """LRU over ``max_bytes`` (tensor bytes, once per key) and ``max_entries``; thread-safe.
+
+    Not persistent: it keeps records (new array objects over the same data) in this process.
+    """
+
+    scheme = "memory"
+    persistent = False
 
     def __init__(self, max_bytes: int | None = None, max_entries: int | None = None) -> None:
-        self.max_bytes = max_bytes
-        self.max_entries = max_entries
+        super().__init__(max_bytes=max_bytes)
+        self.max_entries = check_budget("max_entries", max_entries)
         self._data: OrderedDict[str, tuple[Record, int]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.RLock()
-        self._counters = Counters()
 
-    def get(self, key: str) -> Record | None:
-        check_key(key)
-        with self._lock:
-            item = self._data.get(key)
-            if item is None:
-                self._counters.add("misses")
-                return None
-            self._data.move_to_end(key)
-            self._counters.add("hits")
-            return detached(item[0])
+    def _refuses_all(self) -> bool:
+        return self.max_entries == 0
 
-    def put(self, key: str, record: Record) -> None:
-        check_key(key)
-        check_record(record)
-        size = record.nbytes
-        if self.max_entries == 0 or self.max_bytes == 0:
-            return
-        if self.max_bytes is not None and size > self.max_bytes:
-            log.warning(
-                "memory cache: refusing %r (%d bytes) larger than max_bytes=%d",
-                key, size, self.max_bytes,
-            )  # fmt: skip
-            return
+    def _prepare(self, key: str, record: Record) -> tuple[Record, int]:
         stored = detached(record)
         mx.eval(list(stored.arrays.values()))
+        return stored, record.nbytes
+
+    def _put(self, key: str, payload: Record, size: int) -> int:
         with self._lock:
             old = self._data.pop(key, None)
             if old is not None:
                 self._bytes -= old[1]
-            self._data[key] = (stored, size)
+            self._data[key] = (payload, size)
             self._bytes += size
-            self._evict()
+            return self._evict(self.max_bytes, self.max_entries)
 
-    def _evict(self) -> None:
+    def _evict(self, max_bytes: int | None, max_entries: int | None) -> int:
+        evicted = 0
         while self._data and (
-            (self.max_bytes is not None and self._bytes > self.max_bytes)
-            or (self.max_entries is not None and len(self._data) > self.max_entries)
+            (max_bytes is not None and self._bytes > max_bytes)
+            or (max_entries is not None and len(self._data) > max_entries)
         ):
             _, (_, size) = self._data.popitem(last=False)
             self._bytes -= size
-            self._counters.add("evictions")
+            evicted += 1
+        return evicted
 
-    def delete(self, key: str) -> bool:
-        check_key(key)
+    def _trim(self, max_bytes: int) -> int:
+        with self._lock:
+            return self._evict(max_bytes, None)
+
+    def _get_many(self, keys: list[str]) -> list[Record | None]:
+        out: list[Record | None] = []
+        with self._lock:
+            for key in keys:
+                item = self._data.get(key)
+                if item is not None:
+                    self._data.move_to_end(key)
+                out.append(None if item is None else detached(item[0]))
+        return out
+
+    def _delete(self, key: str) -> bool:
         with self._lock:
             old = self._data.pop(key, None)
             if old is None:
@@ -89,37 +92,28 @@ class MemoryBackend(BackendBase):
             self._bytes -= old[1]
             return True
 
-    def __contains__(self, key: object) -> bool:
-        check_key(key)
+    def _contains_many(self, keys: list[str]) -> list[bool]:
         with self._lock:
-            return key in self._data
+            return [k in self._data for k in keys]
 
-    def keys(self, prefix: str = "") -> Iterator[str]:
+    def _keys(self, prefix: str) -> list[str]:
         with self._lock:
-            found = [k for k in self._data if k.startswith(prefix)]
-        return iter(found)
+            return [k for k in self._data if k.startswith(prefix)]
 
-    def __len__(self) -> int:
+    def _count(self) -> int:
         return len(self._data)
 
-    def clear(self) -> None:
+    def _clear(self) -> None:
         with self._lock:
             self._data.clear()
             self._bytes = 0
 
-    def stats(self) -> dict[str, Any]:
+    def _stats(self) -> dict[str, Any]:
         with self._lock:
-            return {
-                "backend": "memory",
-                "entries": len(self._data),
-                "bytes": self._bytes,
-                "max_bytes": self.max_bytes,
-                "max_entries": self.max_entries,
-                **self._counters.snapshot(),
-            }
+            return {"entries": len(self._data), "bytes": self._bytes}
 
-    def close(self) -> None:
-        """Nothing to release; the data stays readable until the object is dropped."""
+    def describe(self) -> dict[str, Any]:
+        return {"max_entries": self.max_entries}
 
     def __repr__(self) -> str:
         return f"MemoryBackend(entries={len(self._data)}, bytes={self._bytes})"

@@ -12,10 +12,8 @@ order. See docs/backends.md.
 from __future__ import annotations
 
 import re
-import threading
-import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
@@ -27,14 +25,7 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from mlxcache import format as st
-from mlxcache.backends.base import (
-    BackendBase,
-    Counters,
-    RateLimitedLog,
-    check_key,
-    check_record,
-    log,
-)
+from mlxcache.backends.base import BackendBase, log
 from mlxcache.backends.redis_chunks import (
     complete_chunks,
     is_manifest,
@@ -48,7 +39,7 @@ from mlxcache.errors import FormatError, UnsupportedVersionError
 from mlxcache.options import Options
 from mlxcache.record import Record
 
-__all__ = ["RedisBackend", "from_uri", "glob_escape", "redis_options", "pool_kwargs"]
+__all__ = ["RedisBackend", "from_uri", "glob_escape", "pool_kwargs", "redis_options"]
 
 REDIS_MAX_STRING = 512 * 1024 * 1024
 DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
@@ -84,17 +75,18 @@ class RedisBackend(BackendBase):
     """Records in Redis under a key prefix, with a byte budget and LRU shared by all clients.
 
     ``url`` is any redis-py URL (``redis://``, ``rediss://``, ``unix://``); or pass a
-    ``router`` (a Sentinel or Cluster router) instead. ``ttl`` (seconds) applies to every value
-    written; ``max_bytes`` bounds the stored bytes of all clients using the same prefix (None:
-    unbounded, leave it to Redis' ``maxmemory``). Keys are split into ``groups`` hash-tagged
-    groups, each with its own LRU and ``max_bytes / groups`` of the budget (1 on one server:
-    one exact LRU; more on a Cluster, to spread over its primaries). Values larger than
-    ``chunk_size`` are split and still committed atomically. When Redis is unreachable every
-    call degrades (miss, no-op, empty) and the server is skipped for a backoff that grows from
-    ``backoff`` to ``max_backoff`` seconds, then tried again.
+    ``router`` (a Sentinel or Cluster router, with ``url`` naming it for logs). ``ttl``
+    (seconds) applies to every value written; ``max_bytes`` bounds the stored bytes of all
+    clients using the same prefix (None: unbounded, leave it to Redis' ``maxmemory``). Keys
+    are split into ``groups`` hash-tagged groups, each with its own LRU and ``max_bytes //
+    groups`` of the budget (1 on one server: one exact LRU; more on a Cluster, to spread over
+    its primaries). Values larger than ``chunk_size`` are split and still committed
+    atomically. When Redis is unreachable every call degrades (miss, no-op, empty) and the
+    server is skipped for a backoff that grows from ``backoff`` to ``max_backoff`` seconds.
     """
 
     scheme = "redis"
+    _unreachable = _UNREACHABLE
 
     def __init__(
         self,
@@ -117,54 +109,40 @@ class RedisBackend(BackendBase):
             raise ValueError(f"ttl must be > 0 seconds or None, got {ttl!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0 or None, got {max_bytes!r}")
         if not 0 < chunk_size <= REDIS_MAX_STRING:
             raise ValueError(f"chunk_size must be in 1..{REDIS_MAX_STRING} bytes, got {chunk_size}")
-        if not 0 < backoff <= max_backoff:
-            raise ValueError(f"need 0 < backoff <= max_backoff, got {backoff}, {max_backoff}")
         self.layout = KeyLayout(prefix, groups)
+        super().__init__(max_bytes=max_bytes, backoff=backoff, max_backoff=max_backoff)
         self.prefix = prefix
         self.groups = groups
         self.ttl = ttl
         self.timeout = timeout
-        self.max_bytes = max_bytes
         self.chunk_size = chunk_size
-        self.backoff = backoff
-        self.max_backoff = max_backoff
         self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
         if router is None:
             pool = redis.ConnectionPool.from_url(url, **pool_kwargs(timeout), **redis_kwargs)
             router = SingleRouter(pool)
-            self.url = _public_url(url)
-        else:
-            self.url = url
+            url = _public_url(url)
         self.router = router
+        self.url = url
         self.pool = getattr(router, "pool", None)  # one server's pool (None on a Cluster)
-        self.client = getattr(router, "one", None)  # its client
-        self._counters = Counters()
-        self._log = RateLimitedLog()
-        self._lock = threading.Lock()
-        self._down_until = 0.0
-        self._delay = backoff
+        self.client = getattr(router, "one", None)  # and its client
         if max_bytes is not None:
-            self._evict_to(max_bytes)  # opening with a budget enforces it (``mlxcache gc``)
+            self.trim(max_bytes)  # opening with a budget enforces it (``mlxcache gc``)
+
+    def where(self) -> str:
+        return self.url
 
     @property
     def group_budget(self) -> int | None:
         """The byte budget of one key group (``max_bytes // groups``)."""
         return None if self.max_bytes is None else self.max_bytes // self.groups
 
-    def _evict_to(self, max_bytes: int) -> None:
+    def _trim(self, max_bytes: int) -> int:
         share = max_bytes // self.groups
-        try:
-            evicted = sum(int(x) for x in self._each_group("evict", lambda g: [share]))
-        except _FAILURES as exc:
-            self._failed("evict", exc)
-            return
-        self._counters.add("evictions", evicted)
+        return sum(int(x) for x in self._each_group("evict", lambda g: [share]))
 
-    # ------------------------------------------------------------ routing and state
+    # ------------------------------------------------------------ routing and scripts
 
     def _client(self, g: int) -> redis.Redis:
         return self.router.client(self.layout.slots[g])
@@ -177,29 +155,12 @@ class RedisBackend(BackendBase):
             batches.setdefault(id(c), (c, []))[1].append(i)
         return list(batches.values())
 
-    def _skipping(self) -> bool:
-        return time.monotonic() < self._down_until
-
-    def _ok(self) -> None:
-        if self._delay != self.backoff:
-            with self._lock:
-                self._delay = self.backoff
-
-    def _failed(self, op: str, exc: BaseException, n: int = 1) -> None:
-        """Count and log a failure; an unreachable server is skipped for a growing backoff."""
-        self._counters.add("errors", n)
-        self.router.invalidate()  # a failover or a moved slot: ask for the topology again
-        if isinstance(exc, _UNREACHABLE):
-            with self._lock:
-                delay = self._delay
-                self._down_until = time.monotonic() + delay
-                self._delay = min(delay * 2, self.max_backoff)
-            self._log.warning(
-                "down", "redis cache %s unreachable during %s (%s); retrying in %.1fs",
-                self.url, op, exc, delay,
-            )  # fmt: skip
-        else:
-            self._log.warning(op, "redis cache %s: %s failed: %s", self.url, op, exc)
+    def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False) -> None:
+        """Count a failure (see BackendBase.error); a router then reads the topology again, so
+        a failover or a moved slot is followed."""
+        if not isinstance(exc, str):
+            self.router.invalidate()
+        super().error(op, exc, n, logged)
 
     def _eval(self, target: Any, name: str, g: int, keys: list[str], args: list[Any]) -> Any:
         return target.evalsha(SHAS[name], len(keys), *keys, self.layout.heads[g], *args)
@@ -218,7 +179,7 @@ class RedisBackend(BackendBase):
             self._load_scripts(client)
             return self._eval(client, name, g, keys, args)
 
-    def _each_group(self, name: str, args) -> list[Any]:
+    def _each_group(self, name: str, args: Callable[[int], list[Any]]) -> list[Any]:
         """Run a script once per group, one pipeline per node; results in group order."""
         out: list[Any] = [None] * self.groups
         for client, gs in self._by_node(range(self.groups)):
@@ -237,22 +198,7 @@ class RedisBackend(BackendBase):
                 break
         return out
 
-    def header(self, key: str) -> st.Header | None:
-        """A record's header without its tensor data (``mlxcache inspect``); None if absent."""
-        check_key(key)
-        if self._skipping():
-            self._counters.add("errors")
-            return None
-        try:
-            return self._read_header(key)
-        except _FAILURES as exc:
-            self._failed("header", exc)
-        except FormatError as exc:
-            self._counters.add("errors")
-            log.warning("redis cache: unreadable header of %r: %s", key, exc)
-        return None
-
-    def _read_header(self, key: str) -> st.Header | None:
+    def _header(self, key: str) -> st.Header | None:
         """Read the first bytes of a value until its header fits (across chunks if need be)."""
         g = self.layout.group(key)
         client, vkey = self._client(g), self.layout.vkey(key, g)
@@ -279,34 +225,22 @@ class RedisBackend(BackendBase):
 
     # ------------------------------------------------------------ writing
 
-    def put(self, key: str, record: Record) -> None:
-        check_key(key)
-        check_record(record)
-        if self.max_bytes == 0:
-            return
-        if self._skipping():
-            self._counters.add("errors")
-            return
+    def _prepare(self, key: str, record: Record) -> tuple[bytes, int]:
         blob = st.to_bytes(record)  # raises on a bad dtype before anything is sent
+        return blob, len(blob)
+
+    def _put(self, key: str, blob: bytes, size: int) -> int:
         budget = self.group_budget
-        if budget is not None and len(blob) > budget:
+        if self.groups > 1 and budget is not None and size > budget:
             log.warning(
-                "redis cache: refusing %r (%d bytes) larger than max_bytes=%d%s",
-                key, len(blob), self.max_bytes,
-                f" / groups={self.groups}" if self.groups > 1 else "",
+                "%s cache: refusing %r (%d bytes) larger than a key group's share of the "
+                "budget (max_bytes=%d / groups=%d)",
+                self.scheme, key, size, self.max_bytes, self.groups,
             )  # fmt: skip
-            return
-        try:
-            if len(blob) <= self.chunk_size:
-                evicted = self._put_whole(key, blob)
-            else:
-                evicted = self._put_chunked(key, blob)
-        except _FAILURES as exc:
-            self._failed("put", exc)
-            return
-        self._ok()
-        if evicted:
-            self._counters.add("evictions", evicted)
+            return 0
+        if size <= self.chunk_size:
+            return self._put_whole(key, blob)
+        return self._put_chunked(key, blob)
 
     def _commit_args(self, key: str, size: int, info: str, manifest: bytes) -> list[Any]:
         budget = self.group_budget
@@ -344,48 +278,23 @@ class RedisBackend(BackendBase):
         args = self._commit_args(key, size, f"{gen}:{n}", manifest)
         status, evicted = self._script("commit", g, args, keys)
         if status != 1:
-            pipe = client.pipeline(transaction=False)
-            for ck in chunk_keys:
-                pipe.unlink(ck)
-            pipe.execute()
+            client.unlink(*chunk_keys)  # one slot: fine on a cluster
             raise RedisError(f"chunks of {key!r} vanished before commit (written too slowly?)")
         return int(evicted)
 
     # ------------------------------------------------------------ reading
 
-    def get(self, key: str) -> Record | None:
-        check_key(key)
-        return self.get_many([key])[0]
-
-    def get_many(self, keys: Iterable[str]) -> list[Record | None]:
+    def _get_many(self, keys: list[str]) -> list[Record | None]:
         """Fetch many records: one pipelined round trip per node (plus one for chunked values)."""
-        keys = [check_key(k) for k in keys]
-        if not keys:
-            return []
-        n = len(keys)
-        if self._skipping():
-            self._counters.add("errors", n)
-            self._counters.add("misses", n)
-            return [None] * n
-        try:
-            blobs = self._fetch(keys)
-        except _FAILURES as exc:
-            self._failed("get", exc, n)
-            self._counters.add("misses", n)
-            return [None] * n
-        self._ok()
-        out = [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
-        hits = sum(r is not None for r in out)
-        self._counters.add("hits", hits)
-        self._counters.add("misses", n - hits)
-        return out
+        blobs = self._fetch(keys)
+        return [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
 
     def _fetch(self, keys: list[str]) -> list[Value]:
         groups = [self.layout.group(k) for k in keys]
         values: list[Value] = [None] * len(keys)
         for client, pos in self._by_node(groups):
-            values_at = self._fetch_node(client, [(keys[i], groups[i]) for i in pos])
-            for i, v in zip(pos, values_at, strict=True):
+            found = self._fetch_node(client, [(keys[i], groups[i]) for i in pos])
+            for i, v in zip(pos, found, strict=True):
                 values[i] = v
         return values
 
@@ -445,158 +354,98 @@ class RedisBackend(BackendBase):
                 return st.from_buffers(value, consume=True)
             return st.from_bytes(value)
         except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
-            self._log.warning("version", "redis cache: skipping %r: %s", key, exc)
+            self._rlog.warning("version", "redis cache: skipping %r: %s", key, exc)
             return None
         except MemoryError:
-            self._counters.add("errors")
-            self._log.warning("memory", "redis cache: out of memory decoding %r", key)
+            self.error("get", f"out of memory decoding {key!r}")
             return None
         except FormatError as exc:
-            self._counters.add("errors")
+            self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
             log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
             try:
                 self._script("drop", self.layout.group(key), [key])
             except _FAILURES as err:
-                self._failed("delete", err)
+                self.error("delete", err)
             return None
 
     # ------------------------------------------------------------ the rest of the protocol
 
-    def delete(self, key: str) -> bool:
-        check_key(key)
-        if self._skipping():
-            self._counters.add("errors")
-            return False
-        try:
-            existed = self._script("drop", self.layout.group(key), [key])
-        except _FAILURES as exc:
-            self._failed("delete", exc)
-            return False
-        self._ok()
-        return bool(existed)
+    def _delete(self, key: str) -> bool:
+        return bool(self._script("drop", self.layout.group(key), [key]))
 
-    def __contains__(self, key: object) -> bool:
-        return self.contains_many([check_key(key)])[0]
-
-    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+    def _contains_many(self, keys: list[str]) -> list[bool]:
         """EXISTS for many keys: one pipelined round trip per node."""
-        keys = [check_key(k) for k in keys]
-        if not keys:
-            return []
-        if self._skipping():
-            self._counters.add("errors")
-            return [False] * len(keys)
         groups = [self.layout.group(k) for k in keys]
         found = [False] * len(keys)
-        try:
-            for client, pos in self._by_node(groups):
-                pipe = client.pipeline(transaction=False)
-                for i in pos:
-                    pipe.exists(self.layout.vkey(keys[i], groups[i]))
-                for i, x in zip(pos, pipe.execute(), strict=True):
-                    found[i] = bool(x)
-        except _FAILURES as exc:
-            self._failed("contains", exc)
-            return [False] * len(keys)
-        self._ok()
+        for client, pos in self._by_node(groups):
+            pipe = client.pipeline(transaction=False)
+            for i in pos:
+                pipe.exists(self.layout.vkey(keys[i], groups[i]))
+            for i, x in zip(pos, pipe.execute(), strict=True):
+                found[i] = bool(x)
         return found
 
-    def keys(self, prefix: str = "") -> Iterator[str]:
-        """User keys starting with ``prefix`` (SCAN, never KEYS; internal keys never listed)."""
-        if not isinstance(prefix, str):
-            raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        return self._scan(prefix)
-
-    def _scan(self, prefix: str) -> Iterator[str]:
-        if self._skipping():
-            self._counters.add("errors")
-            return
+    def _keys(self, prefix: str) -> Iterator[str]:
+        """User keys starting with ``prefix`` (SCAN of every primary, never KEYS)."""
         pattern = self.layout.value_pattern(prefix)
         seen: set[bytes] = set()
-        try:
-            for client in self.router.clients():
-                for raw in client.scan_iter(match=pattern, count=1000):
-                    if raw not in seen:
-                        seen.add(raw)
-                        key = self.layout.user_key(raw)
-                        if key is not None and key.startswith(prefix):
-                            yield key
-        except _FAILURES as exc:
-            self._failed("keys", exc)
-            return
-        self._ok()
+        for client in self.router.clients():
+            for raw in client.scan_iter(match=pattern, count=1000):
+                if raw not in seen:
+                    seen.add(raw)
+                    key = self.layout.user_key(raw)
+                    if key is not None and key.startswith(prefix):
+                        yield key
 
-    def _index_stats(self) -> tuple[int, int] | None:
-        if self._skipping():
-            self._counters.add("errors")
-            return None
-        try:
-            found = self._each_group("stats", lambda g: [])
-        except _FAILURES as exc:
-            self._failed("stats", exc)
-            return None
-        self._ok()
-        return sum(int(e) for e, _ in found), sum(int(b) for _, b in found)
+    def _count(self) -> int:
+        return self._stats()["entries"]
 
-    def __len__(self) -> int:
-        found = self._index_stats()
-        return 0 if found is None else found[0]
-
-    def clear(self) -> None:
+    def _clear(self) -> None:
         """Remove every key under our prefix (SCAN + UNLINK); other keys are untouched.
 
         Keys of the layout before key groups (``{prefix}v:...``) are removed too."""
-        if self._skipping():
-            self._counters.add("errors")
-            return
-        try:
-            for client in self.router.clients():
-                for pattern in self.layout.all_patterns():
-                    batch: list[bytes] = []
-                    for raw in client.scan_iter(match=pattern, count=1000):
-                        batch.append(raw)
-                        if len(batch) >= 1000:
-                            self._unlink(client, batch)
-                            batch.clear()
-                    self._unlink(client, batch)
-        except _FAILURES as exc:
-            self._failed("clear", exc)
-            return
-        self._ok()
+        for client in self.router.clients():
+            for pattern in self.layout.all_patterns():
+                batch: list[bytes] = []
+                for raw in client.scan_iter(match=pattern, count=1000):
+                    batch.append(raw)
+                    if len(batch) >= 1000:
+                        _unlink(client, batch)
+                        batch.clear()
+                _unlink(client, batch)
 
-    @staticmethod
-    def _unlink(client: redis.Redis, names: list[bytes]) -> None:
-        """UNLINK one key per command (keys of many slots may share a cluster node)."""
-        if names:
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.unlink(name)
-            pipe.execute()
-
-    def stats(self) -> dict[str, Any]:
-        """Entries and bytes from the shared index; hits/misses/evictions/errors of this process."""
-        found = self._index_stats()
-        entries, nbytes = found if found is not None else (0, 0)
+    def _stats(self) -> dict[str, Any]:
+        """Entries and bytes from the shared index (hits/misses/...: this process's)."""
+        found = self._each_group("stats", lambda g: [])
         return {
-            "backend": self.scheme,
+            "entries": sum(int(e) for e, _ in found),
+            "bytes": sum(int(b) for _, b in found),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        return {
             "url": self.url,
             "prefix": self.prefix,
-            "entries": entries,
-            "bytes": nbytes,
-            "max_bytes": self.max_bytes,
             "groups": self.groups,
             "ttl": self.ttl,
             "chunk_size": self.chunk_size,
-            "available": found is not None,
-            **self._counters.snapshot(),
         }
 
-    def close(self) -> None:
+    def _close(self) -> None:
         """Close pooled connections (a later call would open new ones)."""
         self.router.close()
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.url!r}, prefix={self.prefix!r})"
+
+
+def _unlink(client: redis.Redis, names: list[bytes]) -> None:
+    """UNLINK one key per command (keys of many slots may share a cluster node)."""
+    if names:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.unlink(name)
+        pipe.execute()
 
 
 def _public_url(url: str) -> str:
@@ -616,7 +465,9 @@ _REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_req
                   "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")  # fmt: skip
 
 
-def redis_options(opts: Options, *, groups: int, names=_REDIS_OPTIONS) -> dict[str, Any]:
+def redis_options(
+    opts: Options, *, groups: int, names: tuple[str, ...] = _REDIS_OPTIONS
+) -> dict[str, Any]:
     """The typed options every Redis scheme takes, then redis-py's own (``names``)."""
     out: dict[str, Any] = {
         "prefix": opts.str("prefix", "mlxcache:"),

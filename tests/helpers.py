@@ -1,0 +1,98 @@
+"""Test helpers shared by every test module: bit comparisons, sample records, subprocesses."""
+
+from __future__ import annotations
+
+import collections
+import os
+import subprocess
+import sys
+import textwrap
+
+import mlx.core as mx
+
+from mlxcache import Record
+from mlxcache.backends.memory import MemoryBackend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+
+# every dtype a record can hold
+DTYPES = [
+    mx.bool_, mx.uint8, mx.uint16, mx.uint32, mx.uint64, mx.int8, mx.int16, mx.int32, mx.int64,
+    mx.float16, mx.bfloat16, mx.float32, mx.float64, mx.complex64,
+]  # fmt: skip
+
+
+def bits(a: mx.array) -> bytes:
+    """The raw bytes of an array in row-major order (compare these, not values: NaN, bf16)."""
+    return bytes(memoryview(mx.contiguous(a)))
+
+
+def assert_same(a: Record, b: Record) -> None:
+    """Same tensor names, dtypes, shapes and bits, and equal metadata."""
+    assert set(a.arrays) == set(b.arrays)
+    for name, x in a.arrays.items():
+        y = b.arrays[name]
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), name
+        assert bits(x) == bits(y), name
+    assert dict(a.meta) == dict(b.meta)
+
+
+def sample_record(seed: int = 1) -> Record:
+    """One tensor of every dtype, a strided bf16 view, an empty and a 0-d tensor, a NaN payload."""
+    mx.random.seed(seed)
+    arrays = {f"t{i}": (mx.random.normal((3, 5)) * 100).astype(d) for i, d in enumerate(DTYPES)}
+    arrays["strided"] = mx.random.normal((2, 6, 4)).astype(mx.bfloat16)[:, 1:4, :]
+    arrays["empty"] = mx.zeros((0, 7), dtype=mx.bfloat16)
+    arrays["scalar"] = mx.array(7, dtype=mx.int32)
+    # a NaN with a payload: a float32 round trip would not keep these bits
+    arrays["nan_payload"] = mx.array([0x7FC1, 0xFFFF, 0x0001], dtype=mx.uint16).view(mx.bfloat16)
+    return Record(arrays, {"tokens": [1, 2, 3], "name": "x", "raw": b"\x00\xff", "n": None})
+
+
+def blob_record(nbytes: int, seed: int = 0) -> Record:
+    """A record whose tensor bytes are exactly ``nbytes`` (stored size: plus a small header)."""
+    data = mx.random.randint(0, 256, (nbytes,), dtype=mx.uint8, key=mx.random.key(seed))
+    mx.eval(data)  # MLX evaluates a graph only on the thread that built it
+    return Record({"x": data}, {"seed": seed})
+
+
+def run_py(code: str, *args: str, timeout: float = 60, check: bool = True, **kw):
+    """Run ``code`` in a fresh interpreter with the checkout and tests/ importable.
+
+    With ``check`` (default) a failing child fails the test and its stdout is returned;
+    otherwise the CompletedProcess is.
+    """
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{TESTS}", **kw.pop("env", {})}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=env, capture_output=True, text=True, timeout=timeout, check=False, **kw,
+    )  # fmt: skip
+    if not check:
+        return proc
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+class CountingBackend(MemoryBackend):
+    """A real memory backend that counts calls: each batch call is one round trip."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.calls: collections.Counter[str] = collections.Counter()
+        self.reads = 0  # keys read, by get or get_many
+
+    def get(self, key):  # a single get outside get_many would be another round trip
+        self.calls["get"] += 1
+        self.reads += 1
+        return MemoryBackend.get_many(self, [key])[0]
+
+    def get_many(self, keys):
+        keys = list(keys)
+        self.calls["get_many"] += 1
+        self.reads += len(keys)
+        return super().get_many(keys)
+
+    def contains_many(self, keys):
+        self.calls["contains_many"] += 1
+        return super().contains_many(keys)
