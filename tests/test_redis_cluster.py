@@ -220,8 +220,11 @@ def test_primary_killed_mid_run_gives_misses_then_serves_again(redis_cluster, ca
 
 def test_prefix_cache_shared_by_two_processes_over_the_cluster(redis_cluster):
     code = """
+        import hashlib
         import sys
-                import numpy as np
+
+        import mlx.core as mx
+        import numpy as np
         from mlx_vlm.models.cache import make_prompt_cache
         from mlxcache import PrefixCache
         from mlxcache.tiny_models import build_model
