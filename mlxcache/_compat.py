@@ -18,9 +18,9 @@ import numpy as np
 from mlxcache import meta as meta_codec
 from mlxcache.backends.base import CacheBackend
 from mlxcache.record import Record
+from mlxcache.serializers import cache_nbytes, dump_prompt_cache, load_prompt_cache
+from mlxcache.serializers.adapters import is_cache_object
 from mlxcache.uri import open_backend
-
-_CACHE_MODULES = ("mlx_vlm.", "mlx_lm.")
 
 
 def resolve_backend(backend: CacheBackend | str | None) -> tuple[CacheBackend, bool]:
@@ -34,16 +34,6 @@ def resolve_backend(backend: CacheBackend | str | None) -> tuple[CacheBackend, b
             f"backend must be a URI str or a CacheBackend, got {type(backend).__name__}"
         )
     return backend, False
-
-
-def is_cache_object(obj: Any) -> bool:
-    """An mlx-vlm or mlx-lm cache object (a class from their ``models.cache`` modules).
-
-    Looks at the class: the ``state`` property of an empty ``QuantizedKVCache`` or
-    ``ChunkedKVCache`` raises, so ``hasattr(obj, "state")`` would misjudge fresh caches.
-    """
-    cls = type(obj)
-    return cls.__module__.startswith(_CACHE_MODULES) and hasattr(cls, "state")
 
 
 def is_mlx(obj: Any) -> bool:
@@ -64,8 +54,6 @@ def true_nbytes(obj: Any) -> int:
     if isinstance(obj, mx.array | np.ndarray):
         return int(obj.nbytes)
     if is_cache_object(obj):
-        from mlxcache.serializers import cache_nbytes
-
         return int(cache_nbytes([obj]))
     if isinstance(obj, list | tuple):
         return sum(true_nbytes(x) for x in obj)
@@ -131,8 +119,6 @@ class Packer:
             self.arrays[name] = value
             return {"k": "array"}
         if is_mlx(value):
-            from mlxcache.serializers import dump_prompt_cache
-
             rec = dump_prompt_cache(value)
             for sub, arr in rec.arrays.items():
                 self.arrays[f"{name}/{sub}"] = arr
@@ -174,8 +160,6 @@ def unpack(
     if kind == "array":
         return record.arrays[name][...]  # a new array object over the same data
     if kind == "mlx":
-        from mlxcache.serializers import load_prompt_cache
-
         cut = len(name) + 1
         arrays = {k[cut:]: v for k, v in record.arrays.items() if k.startswith(name + "/")}
         return load_prompt_cache(Record(arrays=arrays, meta=desc["m"]))

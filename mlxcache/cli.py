@@ -11,7 +11,7 @@ from typing import Any
 
 from mlxcache import format as fmt
 from mlxcache.backends.base import CacheBackend
-from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS
+from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS, run_demo
 from mlxcache.options import parse_size
 from mlxcache.progress import Progress
 from mlxcache.uri import open_backend
@@ -189,8 +189,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from mlxcache.demo import run_demo
-
     if args.prompt_tokens < 64 or args.max_tokens < 1:
         raise CLIError("--prompt-tokens must be >= 64 and --max-tokens >= 1")
 

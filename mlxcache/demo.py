@@ -18,7 +18,15 @@ import sys
 import uuid
 from typing import Any, TextIO
 
+import mlx.core as mx
 import numpy as np
+
+from mlxcache.integrations.mlx_vlm import generate_tokens
+from mlxcache.model_id import model_identity
+from mlxcache.prefix import PrefixCache
+from mlxcache.progress import Progress
+from mlxcache.tiny_models import build_model
+from mlxcache.uri import default_uri
 
 MODEL = "qwen2_vl"
 SEED = 0
@@ -40,7 +48,6 @@ def prompt_ids(n: int, seed: int = 1) -> list[int]:
 
 def image_inputs(seed: int = 2) -> tuple[Any, dict[str, Any]]:
     """Seeded ``pixel_values`` of one 112x112 image as Qwen2-VL patches, and its grid."""
-    import mlx.core as mx
 
     pixels = np.random.default_rng(seed).standard_normal((64, 3 * 2 * 14 * 14))
     return mx.array(pixels.astype(np.float32)), {"image_grid_thw": mx.array([[1, 8, 8]])}
@@ -53,16 +60,11 @@ def followup_ids(prompt: list[int], answer: list[int]) -> list[int]:
 
 
 def _open(uri: str, salt: str, block_size: int, model: Any) -> Any:
-    from mlxcache.model_id import model_identity
-    from mlxcache.prefix import PrefixCache
 
     return PrefixCache(uri, model=model_identity(model), block_size=block_size, salt=salt)
 
 
 def _request(model: Any, cache: Any, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    import mlx.core as mx
-
-    from mlxcache.integrations.mlx_vlm import generate_tokens
 
     pixel_values, kwargs = image_inputs()
     r = generate_tokens(
@@ -79,7 +81,6 @@ def _request(model: Any, cache: Any, ids: list[int], max_tokens: int) -> dict[st
 
 def worker(uri: str, salt: str, prompt_tokens: int, max_tokens: int, block_size: int, answer):
     """The new process: the same request warm, a follow-up warm, the follow-up uncached."""
-    from mlxcache.tiny_models import build_model
 
     model, _ = build_model(MODEL, SEED)
     cache = _open(uri, salt, block_size, model)
@@ -110,9 +111,6 @@ def run_demo(
 
     Returns 0 when the warm outputs match and the new process reused the cached prefix.
     """
-    from mlxcache.progress import Progress
-    from mlxcache.tiny_models import build_model
-    from mlxcache.uri import default_uri
 
     out = out or sys.stdout
     uri = cache_uri or default_uri()

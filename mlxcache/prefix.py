@@ -19,6 +19,7 @@ from mlxcache import hashing
 from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, log
 from mlxcache.record import Record
+from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
 
 KEY_ROOT = "mlxcache/prefix/v1"
@@ -225,8 +226,6 @@ class PrefixCache:
             last = n_full if r else n_full - 1
             tail = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
         if vkey and not exists[-1]:
-            from mlxcache.serializers.prompt_cache import dump_prompt_cache
-
             vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
         todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
         for (key, i, m), there in zip(blocks, exists, strict=False):
@@ -327,8 +326,6 @@ class PrefixCache:
     def _vision(self, rec: Record | None) -> Any:
         if rec is None:
             return None
-        from mlxcache.serializers.prompt_cache import load_prompt_cache
-
         try:
             value, meta = load_prompt_cache(rec, return_metadata=True)
         except ValueError as e:

@@ -1,7 +1,7 @@
 """PrefixCache records: per-block KV slices, whole-prefix checkpoints and extras.
 
 A prompt cache is a list of layers. Layers whose state is a plain token sequence (KVCache and
-its kin, see ``BLOCK_CLASSES``) are cut into blocks: a block record holds only that block's
+its kin: their adapter is ``per_block``) are cut into blocks: a block record holds only that block's
 keys/values. Every other layer (RotatingKVCache, ArraysCache, ChunkedKVCache, ...) is a
 *checkpoint* layer: its whole state goes, through the prompt-cache serializer, into the tail
 record of one stored length. The treatment is decided by class, never by state, so every block
@@ -17,10 +17,7 @@ import mlx.core as mx
 
 from mlxcache.record import Record
 from mlxcache.serializers import adapters
-
-# exact classes (by module) whose state is keys/values along axis -2 and nothing else
-LIBRARIES = {"mlx_vlm.models.cache": "mlx_vlm", "mlx_lm.models.cache": "mlx_lm"}
-BLOCK_CLASSES = ("KVCache", "ConcatenateKVCache", "SimpleKVCache", "QuantizedKVCache")
+from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 
 
 class RecordMismatch(ValueError):
@@ -29,10 +26,11 @@ class RecordMismatch(ValueError):
 
 def layer_tag(layer: Any) -> str:
     """``"b:mlx_vlm.KVCache"`` for a block layer, ``"c:<module>.<Class>"`` for a checkpoint."""
+    found = adapters.find(layer)
+    if found is not None and found[1].per_block:
+        lib, name = found[0]
+        return f"b:{lib}.{name}"
     cls = type(layer)
-    lib = LIBRARIES.get(cls.__module__)
-    if lib is not None and cls.__name__ in BLOCK_CLASSES:
-        return f"b:{lib}.{cls.__name__}"
     return f"c:{cls.__module__}.{cls.__name__}"
 
 
@@ -48,7 +46,7 @@ def check_lengths(prompt_cache: Sequence[Any], num_tokens: int) -> None:
     """Every layer that counts its tokens must hold exactly ``num_tokens`` of them."""
     for i, c in enumerate(prompt_cache):
         if layer_tag(c).startswith("b:"):
-            n = adapters.adapter_for(c)[1].dump(c)["offset"]
+            n = adapters.block_state(c)[2]
         else:
             n = getattr(c, "offset", None)
             if not isinstance(n, int) or isinstance(n, bool):
@@ -78,11 +76,11 @@ def block_record(
         if not tag.startswith("b:"):
             params.append(None)
             continue
-        state = adapters.adapter_for(c)[1].dump(c)
-        params.append({k: v for k, v in state.items() if k not in ("keys", "values", "offset")})
-        for side in ("keys", "values"):
-            for p, part in enumerate(_parts(state[side])):
-                arrays[f"{j}.{side[0]}{p}"] = part[..., start : start + n, :]
+        keys, values, _, layer_params = adapters.block_state(c)
+        params.append(layer_params)
+        for side, x in (("k", keys), ("v", values)):
+            for p, part in enumerate(_parts(x)):
+                arrays[f"{j}.{side}{p}"] = part[..., start : start + n, :]
     meta = {"kind": "block", "start": start, "tokens": tokens, "layout": lay, "params": params}
     return Record(arrays=arrays, meta=meta)
 
@@ -137,13 +135,12 @@ def join_blocks(blocks: Sequence[Record], lay: list[str]) -> dict[int, Any]:
         if not tag.startswith("b:"):
             continue
         lib, _, name = tag[2:].partition(".")
-        cls, adapter = adapters.class_for(lib, name)
-        state: dict[str, Any] = {**params[j], "offset": n}
-        for side in ("keys", "values"):
-            names = sorted(k for k in blocks[0].arrays if k.startswith(f"{j}.{side[0]}"))
+        sides = []
+        for side in ("k", "v"):
+            names = sorted(k for k in blocks[0].arrays if k.startswith(f"{j}.{side}"))
             parts = tuple(mx.concatenate([b.arrays[k] for b in blocks], axis=-2) for k in names)
-            state[side] = parts if len(parts) > 1 else parts[0]
-        out[j] = adapter.load(cls, state)
+            sides.append(parts if len(parts) > 1 else parts[0])
+        out[j] = adapters.from_block_state(lib, name, sides[0], sides[1], n, params[j])
     return out
 
 
@@ -159,8 +156,6 @@ def tail_record(
     ckpt_meta = None
     ckpt = [c for c, tag in zip(prompt_cache, lay, strict=True) if tag.startswith("c:")]
     if ckpt:
-        from mlxcache.serializers.prompt_cache import dump_prompt_cache
-
         rec = dump_prompt_cache(ckpt)
         arrays.update({f"c.{k}": v for k, v in rec.arrays.items()})
         ckpt_meta = dict(rec.meta)
@@ -203,8 +198,6 @@ def read_tail(rec: Record, lay: list[str]) -> tuple[dict[int, Any], dict[str, mx
     idx = [j for j, tag in enumerate(lay) if tag.startswith("c:")]
     if not idx:
         return {}, extras
-    from mlxcache.serializers.prompt_cache import load_prompt_cache
-
     arrays = {k[2:]: v for k, v in rec.arrays.items() if k.startswith("c.")}
     layers = load_prompt_cache(Record(arrays=arrays, meta=rec.meta["ckpt"]))
     if [layer_tag(c) for c in layers] != [lay[j] for j in idx]:

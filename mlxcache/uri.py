@@ -1,16 +1,32 @@
-"""Backend URIs: a small scheme registry, ``$MLXCACHE_URL`` and the embedded default."""
+"""Backend URIs: a small scheme registry, ``$MLXCACHE_URL`` and the embedded default.
+
+Built-in schemes are named here and imported on first use. Other packages add schemes through
+the ``mlxcache.backends`` entry-point group (as fsspec does with ``fsspec.specs``)::
+
+    [project.entry-points."mlxcache.backends"]
+    s3 = "mlxcache_s3:from_uri"
+
+so ``pip install mlxcache-s3`` makes ``s3://`` work in ``open_backend`` and the CLI.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import logging
 import os
+import re
 from collections.abc import Callable
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from mlxcache.backends.base import CacheBackend
 from mlxcache.options import Options
 
+log = logging.getLogger("mlxcache")
+
 ENV_VAR = "MLXCACHE_URL"
+ENTRY_POINT_GROUP = "mlxcache.backends"
+_SCHEME_NAME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*")
 DEFAULT_URL = "file://~/.cache/mlxcache?max_bytes=20GiB"
 
 Factory = Callable[[SplitResult, Options], CacheBackend]
@@ -30,13 +46,48 @@ _SCHEMES: dict[str, Factory | str] = {
 }
 
 
-def register_scheme(scheme: str, factory: Factory | str) -> None:
-    """Make ``scheme://`` open a backend built by ``factory(parsed_url, options)``."""
-    _SCHEMES[scheme.lower()] = factory
+def register_scheme(scheme: str, factory: Factory | str, *, replace: bool = False) -> None:
+    """Make ``scheme://`` open a backend built by ``factory(parsed_url, options)``.
+
+    ``factory`` is a callable or a ``"module:function"`` string imported on first use. A
+    scheme that is already registered is refused unless ``replace=True``.
+    """
+    if not isinstance(scheme, str) or not _SCHEME_NAME.fullmatch(scheme):
+        raise ValueError(f"invalid scheme name {scheme!r}: letters, digits, + - . (RFC 3986)")
+    scheme = scheme.lower()
+    if scheme in _SCHEMES and not replace:
+        raise ValueError(f"scheme {scheme}:// is already registered (pass replace=True)")
+    _SCHEMES[scheme] = factory
+
+
+def _entry_points() -> dict[str, importlib.metadata.EntryPoint]:
+    """Schemes other packages register; one naming a built-in scheme is ignored, logged."""
+    found: dict[str, importlib.metadata.EntryPoint] = {}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        name = ep.name.lower()
+        if name in _SCHEMES:
+            log.warning("ignoring entry point %s for %s://: already registered", ep.value, name)
+        else:
+            found.setdefault(name, ep)
+    return found
 
 
 def schemes() -> list[str]:
-    return sorted(_SCHEMES)
+    """Every scheme ``open_backend`` knows: registered ones and entry points."""
+    return sorted({*_SCHEMES, *_entry_points()})
+
+
+def _factory(scheme: str) -> Factory | None:
+    factory = _SCHEMES.get(scheme)
+    if factory is None:
+        ep = _entry_points().get(scheme)
+        if ep is None:
+            return None
+        factory = ep.value
+    if isinstance(factory, str):
+        module, _, name = factory.partition(":")
+        factory = getattr(importlib.import_module(module), name)
+    return factory
 
 
 def default_uri() -> str:
@@ -54,17 +105,12 @@ def open_backend(uri: str | None = None, **options: object) -> CacheBackend:
         raise TypeError(f"backend URI must be a str, got {type(uri).__name__}")
     url = urlsplit(uri)
     scheme = url.scheme.lower()
-    if "://" not in uri or scheme not in _SCHEMES:
+    factory = _factory(scheme) if "://" in uri else None
+    if factory is None:
         raise ValueError(
             f"unknown cache URI {uri!r}: the scheme must be one of "
             + ", ".join(f"{s}://" for s in schemes())
         )
     values: dict[str, object] = dict(parse_qsl(url.query, keep_blank_values=True))
     values.update(options)
-    factory = _SCHEMES[scheme]
-    if isinstance(factory, str):
-        module, _, name = factory.partition(":")
-        factory = getattr(importlib.import_module(module), name)
-    opts = Options(scheme, values)
-    backend = factory(url, opts)
-    return backend
+    return factory(url, Options(scheme, values))

@@ -1,7 +1,6 @@
 """memory://: LRU with a byte budget, no aliasing with the caller."""
 
 import mlx.core as mx
-import pytest
 
 import mlxcache
 from mlxcache import Record
@@ -9,12 +8,6 @@ from mlxcache import Record
 
 def rec(n: int, fill: float = 1.0) -> Record:
     return Record({"x": mx.full((n,), fill, dtype=mx.float32)}, {"n": n})
-
-
-def test_stats_right_after_open():
-    stats = mlxcache.open_backend("memory://").stats()
-    for field in ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "errors"):
-        assert field in stats
 
 
 def test_budget_counts_each_key_once_and_evicts_lru():
@@ -27,21 +20,6 @@ def test_budget_counts_each_key_once_and_evicts_lru():
     b.put("c", rec(100))  # 1200 > 1024: evicts b, the least recently used
     assert "b" not in b and "a" in b and "c" in b
     assert b.stats()["evictions"] == 1
-
-
-def test_oversize_record_is_refused_and_flushes_nothing(caplog):
-    b = mlxcache.open_backend("memory://", max_bytes=1000)
-    b.put("small", rec(10))
-    b.put("huge", rec(1000))
-    assert "huge" not in b and "small" in b
-    assert "larger than max_bytes" in caplog.text
-
-
-@pytest.mark.parametrize("uri", ["memory://?max_bytes=0", "memory://?max_entries=0"])
-def test_zero_limits_store_nothing(uri):
-    b = mlxcache.open_backend(uri)
-    b.put("a", rec(1))
-    assert len(b) == 0 and b.get("a") is None
 
 
 def test_no_aliasing_either_way():
@@ -64,24 +42,7 @@ def test_no_aliasing_either_way():
     assert "new" not in again.meta
 
 
-def test_keys_delete_clear_and_context_manager():
-    with mlxcache.open_backend("memory://") as b:
-        b.put("p/1", rec(1))
-        b.put("p/2", rec(1))
-        b.put("q/1", rec(1))
-        assert sorted(b.keys("p/")) == ["p/1", "p/2"]
-        assert b.contains_many(["p/1", "zz"]) == [True, False]
-        assert [r is not None for r in b.get_many(["q/1", "zz"])] == [True, False]
-        assert b.delete("p/1") and not b.delete("p/1")
-        b.clear()
-        assert len(b) == 0 and b.stats()["bytes"] == 0
-
-
-def test_wrong_types_raise():
-    b = mlxcache.open_backend("memory://")
-    with pytest.raises(TypeError):
-        b.put(1, rec(1))
-    with pytest.raises(TypeError):
-        b.put("a", {"x": mx.zeros(1)})
-    with pytest.raises(TypeError):
-        b.get(b"a")
+def test_zero_entry_limit_stores_nothing():
+    b = mlxcache.open_backend("memory://?max_entries=0")
+    b.put("a", rec(1))
+    assert len(b) == 0 and b.get("a") is None

@@ -37,27 +37,13 @@ def raw(url: str) -> redis.Redis:
 # ---------------------------------------------------------------- round trips
 
 
-def test_round_trip_is_bit_exact(redis_url):
+def test_bytes_are_the_stored_value_sizes(redis_url):
     rec = sample_record()
     with mlxcache.open_backend(redis_url) as b:
-        assert isinstance(b, mlxcache.CacheBackend)
         b.put("prefix/abc", rec)
-        got = b.get("prefix/abc")
-        assert_same(rec, got)
-        assert b.get("missing") is None
-        s = b.stats()
-        assert (s["hits"], s["misses"], s["entries"]) == (1, 1, 1)
-        assert s["bytes"] == stored_size(rec)
-        for field in ("entries", "bytes", "max_bytes", "hits", "misses", "evictions", "errors"):
-            assert field in s
-
-
-def test_get_does_not_alias_between_calls(redis_url):
-    b = mlxcache.open_backend(redis_url)
-    b.put("k", Record({"x": mx.ones((4,))}))
-    first = b.get("k")
-    first.arrays["x"][0] = 42.0
-    assert b.get("k").arrays["x"][0].item() == 1.0
+        assert (
+            b.stats()["bytes"] == stored_size(rec) == raw(redis_url).strlen("mlxcache:v:prefix/abc")
+        )
 
 
 def test_key_layout_keeps_user_and_internal_keys_apart(redis_url):
@@ -336,22 +322,6 @@ def test_budget_counts_each_key_once_and_evicts_lru(redis_url):
     assert s["evictions"] == 1 and s["bytes"] == 2 * one and s["entries"] == 2
 
 
-def test_oversize_record_is_refused_and_flushes_nothing(redis_url, caplog):
-    b = mlxcache.open_backend(redis_url, max_bytes="4KiB")
-    b.put("small", blob_record(100))
-    with caplog.at_level(logging.WARNING, logger="mlxcache"):
-        b.put("huge", blob_record(5000))
-    assert "huge" not in b and "small" in b
-    assert "larger than max_bytes" in caplog.text
-
-
-def test_zero_budget_stores_nothing(redis_url):
-    b = mlxcache.open_backend(redis_url + "?max_bytes=0")
-    b.put("a", blob_record(1))
-    assert len(b) == 0 and b.get("a") is None
-    assert list(raw(redis_url).scan_iter()) == []
-
-
 def test_eviction_removes_chunks_of_chunked_victims(redis_url):
     one = stored_size(blob_record(3000))
     b = mlxcache.open_backend(redis_url, chunk_size=1024, max_bytes=2 * one)
@@ -401,28 +371,6 @@ def test_index_drift_is_cleaned_lazily(redis_url):
 
 
 # ---------------------------------------------------------------- arguments
-
-
-def test_wrong_argument_types_raise_before_sending(redis_url):
-    b = mlxcache.open_backend(redis_url)
-    with pytest.raises(TypeError):
-        b.get(1)
-    with pytest.raises(ValueError):
-        b.get("")
-    with pytest.raises(TypeError):
-        b.put(b"k", blob_record(1))
-    with pytest.raises(TypeError):
-        b.put("k", {"x": mx.ones(2)})
-    with pytest.raises(TypeError):
-        b.get_many(["a", None])
-    with pytest.raises(TypeError):
-        b.contains_many(["a", 3])
-    with pytest.raises(TypeError):
-        list(b.keys(5))
-    with pytest.raises(TypeError):
-        1 in b  # noqa: B015
-    assert list(raw(redis_url).scan_iter()) == []
-    assert b.stats()["errors"] == 0
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,12 @@
 """Backend URIs: schemes, options and their errors."""
 
+import os
+import subprocess
+import sys
+
 import pytest
+from backend_factories import PLUGIN_DIR
+from helpers import run_py
 
 import mlxcache
 from mlxcache.options import parse_size
@@ -46,3 +52,58 @@ def test_keyword_options_override_query():
 def test_register_scheme():
     mlxcache.register_scheme("mem2", lambda url, opts: mlxcache.open_backend("memory://"))
     assert isinstance(mlxcache.open_backend("mem2://"), mlxcache.CacheBackend)
+    with pytest.raises(ValueError, match="already registered"):
+        mlxcache.register_scheme("mem2", "somewhere:else")
+    with pytest.raises(ValueError, match="already registered"):
+        mlxcache.register_scheme("file", "somewhere:else")
+    mlxcache.register_scheme(
+        "mem2", lambda url, opts: mlxcache.open_backend("memory://"), replace=True
+    )
+    with pytest.raises(ValueError, match="invalid scheme"):
+        mlxcache.register_scheme("no spaces", "x:y")
+
+
+PLUGIN_ENV = {"PYTHONPATH": os.pathsep.join([str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_an_installed_entry_point_adds_a_scheme_to_open_backend_and_the_cli(tmp_path):
+    """The mlxcache.backends entry point of tests/plugin (a .dist-info on the path)."""
+    out = run_py(
+        """
+        import mlxcache
+        from mlxcache.uri import schemes
+        b = mlxcache.open_backend("dict://?max_bytes=1MiB")
+        print(type(b).__module__, "dict" in schemes(), b.stats()["max_bytes"])
+        """,
+        env=PLUGIN_ENV,
+    )
+    assert out.split() == ["mlxcache_dictstore", "True", str(2**20)]
+    cli = subprocess.run(
+        [sys.executable, "-m", "mlxcache", "stats", "dict://", "--json"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, **PLUGIN_ENV},
+    )  # fmt: skip
+    assert cli.returncode == 0, cli.stderr
+    assert '"backend": "dict"' in cli.stdout
+    without = subprocess.run(
+        [sys.executable, "-m", "mlxcache", "stats", "dict://"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert without.returncode == 1 and "unknown cache URI" in without.stderr
+
+
+def test_an_entry_point_cannot_take_a_built_in_scheme(tmp_path):
+    dist = tmp_path / "evil-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: evil\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text("[mlxcache.backends]\nfile = evil:from_uri\n")
+    out = run_py(
+        """
+        import logging, sys, mlxcache
+        logging.basicConfig()
+        b = mlxcache.open_backend("file://" + sys.argv[1])
+        print(type(b).__name__)
+        """,
+        str(tmp_path / "cache"),
+        env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    assert out.strip() == "DiskBackend"

@@ -36,6 +36,9 @@ class Adapter:
     load: Callable[[type, dict[str, Any]], Any]
     # state of the first n tokens (n <= state["offset"]); raises ValueError where it can't cut
     cut: Callable[[dict[str, Any], int], dict[str, Any]] | None = None
+    # state is keys/values along axis -2, an offset and constant params, nothing else: a
+    # PrefixCache stores such a cache per block; any other cache as a whole-prefix checkpoint
+    per_block: bool = False
 
 
 # ---------------------------------------------------------------- helpers
@@ -116,7 +119,7 @@ def _cut_kv(s: dict[str, Any], n: int) -> dict[str, Any]:
     return {**s, "keys": _seq(s["keys"], n), "values": _seq(s["values"], n), "offset": n}
 
 
-_KV = Adapter(_dump_kv, _load_kv, _cut_kv)
+_KV = Adapter(_dump_kv, _load_kv, _cut_kv, per_block=True)
 
 
 def _load_concat(cls: type, s: dict[str, Any]) -> Any:
@@ -127,7 +130,7 @@ def _load_concat(cls: type, s: dict[str, Any]) -> Any:
     return c
 
 
-_CONCAT = Adapter(_dump_kv, _load_concat, _cut_kv)
+_CONCAT = Adapter(_dump_kv, _load_concat, _cut_kv, per_block=True)
 
 
 def _dump_simple(c: Any) -> dict[str, Any]:
@@ -142,7 +145,7 @@ def _load_simple(cls: type, s: dict[str, Any]) -> Any:
     return c
 
 
-_SIMPLE = Adapter(_dump_simple, _load_simple, _cut_kv)
+_SIMPLE = Adapter(_dump_simple, _load_simple, _cut_kv, per_block=True)
 
 
 def _dump_quant(c: Any) -> dict[str, Any]:
@@ -159,7 +162,7 @@ def _load_quant(cls: type, s: dict[str, Any]) -> Any:
     return c
 
 
-_QUANT = Adapter(_dump_quant, _load_quant, _cut_kv)
+_QUANT = Adapter(_dump_quant, _load_quant, _cut_kv, per_block=True)
 
 
 def _dump_static(c: Any) -> dict[str, Any]:
@@ -472,14 +475,23 @@ def is_cache_object(obj: Any) -> bool:
     return type(obj).__module__ in LIBRARIES.values()
 
 
-def adapter_for(obj: Any) -> tuple[tuple[str, str], Adapter]:
-    """The table key and adapter of a cache object, by exact class (subclasses are refused)."""
+def find(obj: Any) -> tuple[tuple[str, str], Adapter] | None:
+    """The table key and adapter of a cache object by exact class, or None (not supported)."""
     cls = type(obj)
     for lib, module in LIBRARIES.items():
         if cls.__module__ == module and getattr(sys.modules[module], cls.__name__, None) is cls:
             key = (lib, cls.__name__)
             if key in ADAPTERS:
                 return key, ADAPTERS[key]
+    return None
+
+
+def adapter_for(obj: Any) -> tuple[tuple[str, str], Adapter]:
+    """The table key and adapter of a cache object, by exact class (subclasses are refused)."""
+    found = find(obj)
+    if found is not None:
+        return found
+    cls = type(obj)
     raise TypeError(
         f"cannot serialize a {cls.__module__}.{cls.__qualname__}: not a supported cache class "
         f"(supported: {', '.join(supported_classes())})"
@@ -499,3 +511,27 @@ def class_for(lib: str, name: str) -> tuple[type, Adapter]:
     if not isinstance(cls, type):
         raise StateError(f"{lib} {getattr(module, '__version__', '')} has no {name}")
     return cls, ADAPTERS[key]
+
+
+# ---------------------------------------------------------------- per-block caches
+
+
+def block_state(cache: Any) -> tuple[Any, Any, int, dict[str, Any]]:
+    """Keys, values (arrays, or tuples of arrays when quantized), offset and the constant
+    params of a per-block cache (``Adapter.per_block``), sliced to what it holds."""
+    (lib, name), adapter = adapter_for(cache)
+    if not adapter.per_block:
+        raise TypeError(f"{lib}.{name} is not stored per block")
+    state = adapter.dump(cache)
+    params = {k: v for k, v in state.items() if k not in ("keys", "values", "offset")}
+    return state["keys"], state["values"], state["offset"], params
+
+
+def from_block_state(
+    lib: str, name: str, keys: Any, values: Any, offset: int, params: dict[str, Any]
+) -> Any:
+    """Rebuild a per-block cache from joined blocks (the inverse of :func:`block_state`)."""
+    cls, adapter = class_for(lib, name)
+    if not adapter.per_block:
+        raise StateError(f"{lib}.{name} is not stored per block")
+    return adapter.load(cls, {**params, "keys": keys, "values": values, "offset": offset})

@@ -1,0 +1,53 @@
+"""Every backend the contract suite runs on: name -> a fresh, empty store.
+
+A factory takes pytest's ``request`` and ``tmp_path`` and returns a :class:`Store`: the URI that
+opens the backend (``open_backend(uri, **options)``; options override the query) and whether
+another process opening the same URI sees the same data. Add a backend here and it runs the
+whole of ``tests/test_backend_contract.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PLUGIN_DIR = Path(__file__).resolve().parent / "plugin"
+
+
+@dataclass(frozen=True)
+class Store:
+    uri: str
+    shared: bool  # another process sees the same data
+    env: dict[str, str] | None = None  # what a child process needs to open it
+
+
+def _memory(request: Any, tmp_path: Path) -> Store:
+    return Store("memory://", shared=False)
+
+
+def _file(request: Any, tmp_path: Path) -> Store:
+    return Store(f"file://{tmp_path}/cache", shared=True)
+
+
+def _redis(request: Any, tmp_path: Path) -> Store:
+    return Store(request.getfixturevalue("redis_url"), shared=True)
+
+
+def _plugin(request: Any, tmp_path: Path) -> Store:
+    """``dict://``: a third-party backend found through the ``mlxcache.backends`` entry point."""
+    if str(PLUGIN_DIR) not in sys.path:
+        sys.path.insert(0, str(PLUGIN_DIR))  # holds the module and its .dist-info
+    path = os.pathsep.join([str(PLUGIN_DIR), os.environ.get("PYTHONPATH", "")])
+    return Store("dict://", shared=False, env={"PYTHONPATH": path})
+
+
+BACKENDS: dict[str, Callable[[Any, Path], Store]] = {
+    "memory": _memory,
+    "file": _file,
+    "redis": _redis,
+    "plugin": _plugin,
+}
