@@ -45,6 +45,21 @@ def test_write_through_reads_fill_the_upper_tier(tmp_path):
     assert b.persistent  # the disk tier cannot hold live objects, so neither can the whole
 
 
+def test_l1_hits_reach_the_lower_tiers_lru(tmp_path):
+    """A record that is hot in L1 (never read from L2) is not what L2 evicts first."""
+    l2 = DiskBackend(tmp_path / "l2")
+    unit = len(mlxcache.format.to_bytes(blob_record(1000)))
+    b = TieredBackend(MemoryBackend(), f"file://{tmp_path}/l2", max_bytes=3 * unit + unit // 2)
+    for k in ("hot", "k1", "k2"):
+        b.put(k, blob_record(1000))
+    for _ in range(3):
+        assert b.get("hot") is not None  # L1 hits only
+    b.put("k3", blob_record(1000))  # L2 is full: its least recently used goes
+    assert sorted(l2.keys()) == ["hot", "k2", "k3"]
+    assert sorted(b.keys()) == ["hot", "k2", "k3"] and b.stats()["evictions"] == 1
+    assert b.stats()["l1_hits"] == 3 and b.stats()["l2_hits"] == 0
+
+
 def test_write_behind_writes_l2_later_and_reads_the_queue_meanwhile(tmp_path):
     l1, l2 = MemoryBackend(max_entries=1), GatedDisk(tmp_path / "l2")
     b = TieredBackend(l1, l2, write="behind")
@@ -54,9 +69,8 @@ def test_write_behind_writes_l2_later_and_reads_the_queue_meanwhile(tmp_path):
     assert "a" not in l1 and "a" not in l2
     assert_same(a, b.get("a"))  # served from the queue
     assert b.contains_many(["a", "c", "x"]) == [True, True, False]
-    assert len(b) == 2 and sorted(b.keys()) == ["a", "c"]
-    l2.gate.set()
-    assert b.flush(30)
+    threading.Timer(0.1, l2.gate.set).start()
+    assert len(b) == 2 and sorted(b.keys()) == ["a", "c"]  # these wait for the queue
     assert_same(a, l2.get("a"))
     assert b.stats()["queue_hits"] == 1
     w = b.stats()["writer"]
@@ -69,12 +83,13 @@ def test_full_queue_drops_and_counts_never_blocks(tmp_path):
     b = TieredBackend(MemoryBackend(), l2, write="behind", queue=2, full="drop")
     for i in range(5):
         b.put(f"k{i}", blob_record(50, i))  # 1 running + 1 queued... the rest dropped
-    s = b.stats()["writer"]
+    s = b.writer.stats()
     assert s["dropped"] >= 2 and s["queued"] + s["dropped"] == 5
     assert all(b.get(f"k{i}") is not None for i in range(5))  # L1 still has every one
     l2.gate.set()
     assert b.flush(30)
     assert len(l2) == s["queued"]  # what was dropped never reached L2
+    assert b.stats()["writer"]["dropped"] == s["dropped"]
     b.close()
 
 
@@ -85,7 +100,7 @@ def test_delete_and_clear_win_over_queued_writes(tmp_path):
     b.put("b", blob_record(10, 2))
     b.put("c", blob_record(10, 3))
     threading.Timer(0.05, l2.gate.set).start()
-    assert b.delete("b") is True
+    assert b.delete("b") is True  # waits for the write in progress, not the queue
     assert "b" not in b
     assert b.flush(30)
     assert "b" not in l2 and "a" in l2 and "c" in l2
@@ -176,3 +191,21 @@ def test_uris_are_typed_and_nested_uris_keep_their_options(tmp_path):
 def test_bad_tiered_uris_name_the_problem(uri, match):
     with pytest.raises(ValueError, match=match):
         mlxcache.open_backend(uri)
+
+
+@pytest.mark.parametrize("name", ["memory", "file", "redis", "redis-cluster", "plugin"])
+def test_touch_many_refreshes_lru_without_reading(name, request, tmp_path):
+    from backend_factories import BACKENDS
+
+    b = mlxcache.open_backend(BACKENDS[name](request, tmp_path).uri)
+    for k in ("a", "b", "c"):
+        b.put(k, blob_record(1000))
+    unit = b.stats()["bytes"] // 3
+    hits = b.stats()["hits"]
+    b.touch_many(["a", "missing"])  # a third-party backend without it: nothing happens
+    assert b.stats()["hits"] == hits and b.stats()["errors"] == 0  # nothing was read
+    b.trim(2 * unit)
+    expected = ["b", "c"] if name == "plugin" else ["a", "c"]
+    assert sorted(b.keys()) == expected
+    with pytest.raises(TypeError):
+        b.touch_many([1])

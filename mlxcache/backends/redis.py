@@ -328,6 +328,25 @@ class RedisBackend(BackendBase):
                         values[i] = self._read_again(client, *items[i], seen)
         return values
 
+    def _touch_many(self, keys: list[str]) -> None:
+        """Refresh LRU order of keys (the touch script), one pipeline per node."""
+        groups = [self.layout.group(k) for k in keys]
+        for client, pos in self._by_node(groups):
+            for attempt in (0, 1):
+                pipe = client.pipeline(transaction=False)
+                for i in pos:
+                    g = groups[i]
+                    vkey = self.layout.vkey(keys[i], g)
+                    self._eval(pipe, "touch", g, [*self.layout.index[g], vkey], [keys[i]])
+                replies = pipe.execute(raise_on_error=False)
+                if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                    self._load_scripts(client)
+                    continue
+                for r in replies:
+                    if isinstance(r, Exception):
+                        raise r
+                break
+
     def _chunk_keys(self, g: int, m: dict[str, Any]) -> list[str]:
         return [self.layout.ckey(g, m["gen"], i) for i in range(m["n"])]
 

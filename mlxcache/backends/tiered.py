@@ -5,7 +5,11 @@ at once (``write=through``) or to L2 from a bounded background queue (``write=be
 flushed by ``flush()``, ``close()`` and at interpreter exit; a full queue waits at most
 ``max_wait`` seconds (``full=wait``) or not at all (``full=drop``), and drops are counted.
 Queued records are evaluated and detached on the caller's thread, and are read back from the
-queue until written. See docs/backends.md.
+queue until written.
+
+L2 is the store of record: ``max_bytes`` is its budget, ``keys()``, ``len()`` and ``stats()``
+describe it, and L1 hits are passed on to its LRU order (``touch_many``, batched before the next
+write to L2), so what is hot in L1 is not what L2 evicts first. See docs/backends.md.
 """
 
 from __future__ import annotations
@@ -31,12 +35,15 @@ from mlxcache.options import Options
 from mlxcache.record import Record
 
 WRITE_POLICIES = ("through", "behind")
+MAX_TOUCHED = 10_000  # L1 hits remembered for L2's LRU between two writes
+SETTLE_TIMEOUT = 60.0  # how long keys()/len()/stats()/trim() wait for queued writes
 
 
 class TieredBackend(BackendBase):
     """``l1`` over ``l2`` (backends or URIs). ``write`` is ``"through"`` or ``"behind"``;
     ``queue``, ``queue_bytes``, ``full`` and ``max_wait`` bound the write-behind queue (see
     :class:`~mlxcache.backends.writer.BackgroundWriter`); ``fill`` copies L2 hits into L1.
+    ``max_bytes`` is passed to L2 when it is given as a URI (an L2 object keeps its own).
     """
 
     scheme = "tiered"
@@ -52,14 +59,23 @@ class TieredBackend(BackendBase):
         queue_bytes: int = DEFAULT_QUEUE_BYTES,
         full: str = "wait",
         max_wait: float = DEFAULT_MAX_WAIT,
+        max_bytes: int | None = None,
     ) -> None:
         if write not in WRITE_POLICIES:
             raise ValueError(f"write must be one of {', '.join(WRITE_POLICIES)}, got {write!r}")
-        super().__init__()
+        if max_bytes is not None and not isinstance(l2, str):
+            raise ValueError("max_bytes is the budget of l2: give it to the l2 backend itself")
+        super().__init__(max_bytes=max_bytes)
         from mlxcache.uri import open_backend  # uri imports this module's from_uri lazily
 
         self.l1 = open_backend(l1) if isinstance(l1, str) else l1
-        self.l2 = open_backend(l2) if isinstance(l2, str) else l2
+        if isinstance(l2, str):
+            self.l2 = (
+                open_backend(l2) if max_bytes is None else open_backend(l2, max_bytes=max_bytes)
+            )
+        else:
+            self.l2 = l2
+        self.max_bytes = getattr(self.l2, "max_bytes", None)  # refusal as L2 would refuse
         for name, tier in (("l1", self.l1), ("l2", self.l2)):
             if not isinstance(tier, CacheBackend):
                 raise TypeError(f"{name} must be a CacheBackend or a URI, got {type(tier)}")
@@ -81,6 +97,7 @@ class TieredBackend(BackendBase):
         self._gen = 0
         self._lock = threading.Lock()  # guards _pending and _gen
         self._writing = threading.Lock()  # held while a queued write lands in L2
+        self._touched: dict[str, None] = {}  # L1 hits not yet passed on to L2's LRU
         self._tier_hits = {"l1_hits": 0, "l2_hits": 0, "queue_hits": 0}
 
     def where(self) -> str:
@@ -99,18 +116,28 @@ class TieredBackend(BackendBase):
     def _put(self, key: str, record: Record, size: int) -> int:
         self.l1.put(key, record)
         if self.writer is None:
+            self._pass_touches()
             self.l2.put(key, record)
             return 0
         with self._lock:
             self._gen += 1
             gen = self._gen
             self._pending[key] = (gen, record)
-        if not self.writer.submit(lambda: self._write_behind(key, gen, record), size):
+            # L1 hits so far happened after the writes queued before this one: they travel
+            # with this write, so L2 sees them in that order
+            touched, self._touched = list(self._touched), {}
+        job = lambda: self._write_behind(key, gen, record, touched)  # noqa: E731
+        if not self.writer.submit(job, size):
             self._forget(key, gen)  # dropped (counted by the writer): L1 still has it
+            with self._lock:
+                self._touched = dict.fromkeys([*touched, *self._touched])
         return 0
 
-    def _write_behind(self, key: str, gen: int, record: Record) -> None:
+    def _write_behind(self, key: str, gen: int, record: Record, touched: list[str]) -> None:
         with self._writing:
+            touch = getattr(self.l2, "touch_many", None)
+            if touched and touch is not None:
+                touch(touched)
             with self._lock:
                 current = self._pending.get(key)
             if current is not None and current[0] == gen:  # not replaced, deleted or cleared
@@ -122,6 +149,15 @@ class TieredBackend(BackendBase):
             current = self._pending.get(key)
             if current is not None and current[0] == gen:
                 del self._pending[key]
+
+    def _pass_touches(self) -> None:
+        """Tell L2 about the L1 hits since the last write, so its LRU order sees them (with
+        write-behind: only once the queue is empty, see ``_settle``)."""
+        with self._lock:
+            keys, self._touched = list(self._touched), {}
+        touch = getattr(self.l2, "touch_many", None)
+        if keys and touch is not None:
+            touch(keys)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued write reached L2 (or was dropped); False on timeout."""
@@ -138,6 +174,14 @@ class TieredBackend(BackendBase):
         out = self.l1.get_many(keys)
         missing = [i for i, r in enumerate(out) if r is None]
         hits = {"l1_hits": len(keys) - len(missing), "l2_hits": 0, "queue_hits": 0}
+        if hits["l1_hits"]:
+            with self._lock:
+                for k, r in zip(keys, out, strict=True):
+                    if r is not None:
+                        self._touched.pop(k, None)
+                        self._touched[k] = None
+                while len(self._touched) > MAX_TOUCHED:  # forget the oldest
+                    del self._touched[next(iter(self._touched))]
         rest = []
         for i in missing:
             out[i] = self._queued(keys[i])
@@ -198,32 +242,44 @@ class TieredBackend(BackendBase):
             d2 = self.l2.delete(key)
         return queued or d1 or d2
 
+    def _settle(self) -> None:
+        """Before describing or trimming L2: queued writes land, L1 hits reach its LRU."""
+        if self.writer is not None and not self.writer.flush(SETTLE_TIMEOUT):
+            return  # still writing: L1 hits travel with the next queued write
+        self._pass_touches()
+
     def _keys(self, prefix: str) -> Iterator[str]:
-        seen: set[str] = set()
+        self._settle()
         with self._lock:
-            queued = [k for k in self._pending if k.startswith(prefix)]
-        for source in (self.l2.keys(prefix), iter(queued), self.l1.keys(prefix)):
-            for k in source:
-                if k not in seen:
-                    seen.add(k)
-                    yield k
+            queued = [k for k in self._pending if k.startswith(prefix)]  # only if flush timed out
+        seen: set[str] = set()
+        for k in [*self.l2.keys(prefix), *queued]:
+            if k not in seen:
+                seen.add(k)
+                yield k
 
     def _count(self) -> int:
-        return sum(1 for _ in self._keys(""))
+        return self._stats()["entries"]
 
     def _clear(self) -> None:
         with self._writing:
             self._drop_pending(None)
+            with self._lock:
+                self._touched = {}
             self.l1.clear()
             self.l2.clear()
 
     def _trim(self, max_bytes: int) -> int:
-        return self.l1.trim(max_bytes) + self.l2.trim(max_bytes)
+        """Trim both tiers; the count is L2's (an L1 eviction leaves the record in the store)."""
+        self._settle()
+        self.l1.trim(max_bytes)
+        return self.l2.trim(max_bytes)
 
     def _stats(self) -> dict[str, Any]:
+        self._settle()
         s1, s2 = self.l1.stats(), self.l2.stats()
         with self._lock:
-            queued = [k for k in self._pending]
+            queued = list(self._pending)
             tier_hits = dict(self._tier_hits)
         extra = sum(1 for there in self.l2.contains_many(queued) if not there) if queued else 0
         return {
@@ -236,10 +292,11 @@ class TieredBackend(BackendBase):
         }
 
     def stats(self) -> dict[str, Any]:
-        """The lower tier's entries and bytes (plus queued writes), both tiers' stats, L1/L2
-        hits, the writer's counts; ``errors`` includes both tiers' errors."""
+        """The lower tier's entries, bytes and evictions, both tiers' stats, L1/L2 hits and the
+        writer's counts; ``errors`` includes both tiers' errors. Waits for queued writes."""
         out = super().stats()
         out["errors"] += sum(out.get(t, {}).get("errors", 0) for t in ("l1", "l2"))
+        out["evictions"] = out.get("l2", {}).get("evictions", out["evictions"])
         out["available"] = out["available"] and out.get("l2", {}).get("available", True)
         return out
 
@@ -274,7 +331,8 @@ def tiered_uri(l1: str, l2: str, **options: Any) -> str:
 def from_uri(url: SplitResult, opts: Options) -> TieredBackend:
     """``tiered://?l1=URI&l2=URI`` with the nested URIs url-encoded (see :func:`tiered_uri`).
 
-    Options: write (through | behind, default through), fill (default true), and for
+    Options: write (through | behind, default through), fill (default true), max_bytes (the
+    budget of L2, overriding the one in its URI), and for
     write-behind: queue (jobs, default 64), queue_bytes (default 1GiB), full (wait | drop,
     default wait), max_wait (seconds, default 0.05).
     """
@@ -296,6 +354,7 @@ def from_uri(url: SplitResult, opts: Options) -> TieredBackend:
         "queue": opts.int("queue", DEFAULT_QUEUE, minimum=1),
         "queue_bytes": opts.size("queue_bytes", DEFAULT_QUEUE_BYTES),
         "max_wait": opts.float("max_wait", DEFAULT_MAX_WAIT),
+        "max_bytes": opts.size("max_bytes", None),
     }
     if opts.values:
         unknown = ", ".join(sorted(opts.values))
