@@ -42,7 +42,9 @@ def test_bytes_are_the_stored_value_sizes(redis_url):
     with mlxcache.open_backend(redis_url) as b:
         b.put("prefix/abc", rec)
         assert (
-            b.stats()["bytes"] == stored_size(rec) == raw(redis_url).strlen("mlxcache:v:prefix/abc")
+            b.stats()["bytes"]
+            == stored_size(rec)
+            == raw(redis_url).strlen("mlxcache:{0}v:prefix/abc")
         )
 
 
