@@ -12,8 +12,8 @@ sentinel.failover()                 # SIGKILL the primary; waits until the repli
 sentinel.heal()                     # restart the old primary (the sentinels make it a replica)
 sentinel.close()
 
-Timeouts are small (cluster-node-timeout 500 ms, down-after-milliseconds 500 ms) so start-up
-and failover take a few seconds.
+Timeouts are small (cluster-node-timeout and down-after-milliseconds 1 s; pass others) so
+start-up and failover take a few seconds.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import redis
 from redis_server import REDIS_SERVER, free_port
 
 REDIS_CLI = os.environ.get("REDIS_CLI", shutil.which("redis-cli") or "redis-cli")
-NODE_TIMEOUT_MS = 500
-DOWN_AFTER_MS = 500
+NODE_TIMEOUT_MS = 1000  # short for fast failovers, long enough for a loaded 2-core machine
+DOWN_AFTER_MS = 1000
 SERVICE = "mymaster"
 
 
@@ -149,7 +149,7 @@ class _Deployment:
 class LocalCluster(_Deployment):
     """A Redis Cluster of ``primaries`` primaries with one replica each, built by redis-cli."""
 
-    def __init__(self, primaries: int = 3) -> None:
+    def __init__(self, primaries: int = 3, node_timeout_ms: int = NODE_TIMEOUT_MS) -> None:
         super().__init__()
         for i in range(2 * primaries):
             bus = free_port()
@@ -163,7 +163,7 @@ class LocalCluster(_Deployment):
                         "--cluster-config-file",
                         "nodes.conf",
                         "--cluster-node-timeout",
-                        str(NODE_TIMEOUT_MS),
+                        str(node_timeout_ms),
                         "--cluster-port",
                         str(bus),
                         "--cluster-replica-validity-factor",
@@ -277,12 +277,12 @@ sentinel parallel-syncs {service} 1
 class LocalSentinel(_Deployment):
     """One primary, one replica and three sentinels monitoring them as :data:`SERVICE`."""
 
-    def __init__(self) -> None:
+    def __init__(self, down_after_ms: int = DOWN_AFTER_MS) -> None:
         super().__init__()
         self.primary = Node(self.root, "primary", [])
         self.replica = Node(self.root, "replica", [])
         self.replica.extra = ["--replicaof", "127.0.0.1", str(self.primary.port)]
-        conf = SENTINEL_CONF.format(service=SERVICE, primary=self.primary.port, down=DOWN_AFTER_MS)
+        conf = SENTINEL_CONF.format(service=SERVICE, primary=self.primary.port, down=down_after_ms)
         self.sentinels = [Node(self.root, f"sentinel{i}", [], config=conf) for i in range(3)]
         self.nodes = [self.primary, self.replica, *self.sentinels]
         self._start_all()
