@@ -335,3 +335,22 @@ def test_cluster_uri_options_reach_the_backend():
     assert b.router.kwargs["password"] == "secret"
     tls = mlxcache.open_backend("rediss+cluster://127.0.0.1:7000/?ssl_cert_reqs=none")
     assert tls.router.kwargs["connection_class"] is redis.SSLConnection
+
+
+def test_the_command_line_works_on_a_cluster(redis_cluster, tmp_path, capsys):
+    import json
+
+    from mlxcache.cli import main
+
+    src = f"file://{tmp_path}/src"
+    with mlxcache.open_backend(src) as b:
+        for i in range(10):
+            b.put(f"k/{i}", blob_record(100, i))
+    assert main(["copy", src, redis_cluster.url]) == 0
+    capsys.readouterr()
+    assert main(["stats", redis_cluster.url, "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out)
+    assert stats["entries"] == 10 and stats["backend"] == "redis+cluster"
+    assert main(["verify", redis_cluster.url]) == 0
+    assert main(["gc", redis_cluster.url, "--max-bytes", "0"]) == 0
+    assert len(mlxcache.open_backend(redis_cluster.url)) == 0
