@@ -17,7 +17,7 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "scale")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "scale")
 DEFAULT_OUT = "benchmarks/results/latest.json"
 
 
@@ -107,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import rss
 
                 rows += rss.run(rss_sizes, ctx)
+            elif section == "server":
+                from benchmarks import lm_server
+
+                rows += lm_server.run(ctx)
             elif section == "scale":
                 from benchmarks import scale
 

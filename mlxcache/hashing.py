@@ -33,7 +33,7 @@ def _array_digest(kind: bytes, dtype: str, shape: Sequence[int], data: memoryvie
     return _h(kind, dtype.encode(), np.asarray(shape, dtype=np.int64).tobytes(), data)
 
 
-def _base64_bytes(text: str) -> bytes | None:
+def base64_bytes(text: str) -> bytes | None:
     """Decoded bytes of a ``data:...;base64,`` URI or of a bare base64 string, else None."""
     if text.startswith("data:"):
         head, sep, payload = text.partition(",")
@@ -67,7 +67,7 @@ def image_digest(image: Any) -> bytes:
         with open(image, "rb") as f:
             return _h(b"bytes", f.read())
     if isinstance(image, str):
-        decoded = _base64_bytes(image)
+        decoded = base64_bytes(image)
         if decoded is not None:
             return _h(b"bytes", decoded)
         return _h(b"str", image.encode("utf-8"))

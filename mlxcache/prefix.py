@@ -87,6 +87,18 @@ class _Plan:
         return hashing.tokens_bytes(self.tokens[a : a + (self.bs if r is None else r)])
 
 
+@dataclass
+class _Match:
+    """Where a lookup's prefix can end: ``k`` leading whole blocks found, ``pm`` the longest
+    stored length inside block ``k`` (0: none), ``aligned`` the longest run of whole blocks
+    with a tail, and whether the vision entry exists."""
+
+    k: int
+    pm: int
+    aligned: int
+    vision: bool
+
+
 class PrefixCache:
     """Stores prompt caches by block and finds the longest cached prefix of a new prompt.
 
@@ -200,6 +212,8 @@ class PrefixCache:
         plan = self._plan(tokens, images, image_positions)
         n, bs = len(tokens), self.block_size
         layers = list(prompt_cache) if n else []
+        if n and not layers:
+            raise ValueError("prompt_cache is empty: store the cache objects of the prompt")
         if n:
             pr.check_lengths(layers, n)
         lay = pr.layout(layers)
@@ -281,14 +295,34 @@ class PrefixCache:
         """
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
-        n, bs = len(tokens), self.block_size
-        n_full, r = divmod(n, bs)
-        full = plan.full(n_full)
-        trail = [plan.partial(n_full, m) for m in range(1, r + 1)]
-        vkey = self._vision_key(plan)
-        keys = [self._key("b", h) for h in full] + [self._key("t", h) for h in full]
-        keys += [self._key("t", p) for p in trail] + ([vkey] if vkey else [])
+        keys = self._probe_keys(plan)
         found = self.backend.contains_many(keys) if keys else []
+        match = self._match(plan, found)
+        fetch = self._fetch_keys(plan, match)
+        recs = self.backend.get_many(fetch) if fetch else []
+        hit = self._assemble(plan, match, recs, require_extras)
+        self._count(lookups=1, tokens_requested=len(tokens))
+        if hit is None or not hit.num_tokens:
+            self._count(misses=1)
+        else:
+            self._count(hits=1, tokens_reused=hit.num_tokens)
+        return hit
+
+    def _probe_keys(self, plan: _Plan) -> list[str]:
+        """What one ``contains_many`` asks: every whole block, the tail at each whole block,
+        the tail at each length inside the last partial block, the vision entry."""
+        n_full, r = divmod(len(plan.tokens), self.block_size)
+        full = plan.full(n_full)
+        keys = [self._key("b", h) for h in full] + [self._key("t", h) for h in full]
+        keys += [self._key("t", plan.partial(n_full, m)) for m in range(1, r + 1)]
+        vkey = self._vision_key(plan)
+        return keys + ([vkey] if vkey else [])
+
+    def _match(self, plan: _Plan, found: list[bool]) -> _Match:
+        """The longest candidates ``found`` allows (a second ``contains_many``, of at most
+        ``block_size - 1`` keys, when the match ends inside the request's whole blocks)."""
+        bs = self.block_size
+        n_full, r = divmod(len(plan.tokens), bs)
         k = next((i for i, f in enumerate(found[:n_full]) if not f), n_full)
         # the longest stored length inside block k (the block after the leading whole blocks)
         if k == n_full:
@@ -297,30 +331,34 @@ class PrefixCache:
             cands = [plan.partial(k, m) for m in range(1, bs)]
             there = self.backend.contains_many([self._key("t", p) for p in cands])
             part = [m for m, f in zip(range(1, bs), there, strict=True) if f]
-        pm = part[-1] if part else 0
         aligned = max((i for i in range(1, k + 1) if found[n_full + i - 1]), default=0)
+        vision = bool(plan.digests) and bool(found) and found[-1]
+        return _Match(k, part[-1] if part else 0, aligned, vision)
 
-        fetch = [self._key("b", h) for h in full[:k]]
-        if pm:
-            p = plan.partial(k, pm)
+    def _fetch_keys(self, plan: _Plan, match: _Match) -> list[str]:
+        """What one ``get_many`` reads: the leading whole blocks, then the partial block and
+        its tail (or the tail at the longest aligned length), then the vision entry."""
+        fetch = [self._key("b", h) for h in plan.full(match.k)]
+        if match.pm:
+            p = plan.partial(match.k, match.pm)
             fetch += [self._key("b", p), self._key("t", p)]
-        elif aligned:
-            fetch.append(self._key("t", full[aligned - 1]))
-        if vkey and found[-1]:
-            fetch.append(vkey)
-        recs = self.backend.get_many(fetch) if fetch else []
-        hit = self._assemble(plan, k, pm, aligned, recs, require_extras)
-        if vkey and found[-1]:
+        elif match.aligned:
+            fetch.append(self._key("t", plan.full(match.aligned)[-1]))
+        if match.vision:
+            fetch.append(self._vision_key(plan))
+        return fetch
+
+    def _assemble(
+        self, plan: _Plan, match: _Match, recs: list, require_extras: bool
+    ) -> PrefixHit | None:
+        """The hit the fetched records make: the restored prefix and the vision embeddings."""
+        hit = self._restore(plan, match.k, match.pm, match.aligned, recs, require_extras)
+        if match.vision:
             vision = self._vision(recs[-1])
             if vision is not None:
                 self._count(vision_hits=1)
                 hit = hit or PrefixHit(0, None)
                 hit.vision_embeddings = vision
-        self._count(lookups=1, tokens_requested=n)
-        if hit is None or not hit.num_tokens:
-            self._count(misses=1)
-        else:
-            self._count(hits=1, tokens_reused=hit.num_tokens)
         return hit
 
     def _vision(self, rec: Record | None) -> Any:
@@ -340,7 +378,7 @@ class PrefixCache:
         log.warning("prefix cache: ignoring a stored record: %s", err)
         self._count(rejected=1)
 
-    def _assemble(
+    def _restore(
         self, plan: _Plan, k: int, pm: int, aligned: int, recs: list, require_extras: bool
     ) -> PrefixHit | None:
         """Verify what was fetched and restore the longest usable length (or None)."""
@@ -401,6 +439,34 @@ class PrefixCache:
             self._reject(e)
             return None
         return PrefixHit(num, cache, extras)
+
+    def longest(
+        self,
+        token_ids: Any,
+        *,
+        images: Sequence[Any] = (),
+        image_positions: Sequence[int] | None = None,
+    ) -> int:
+        """At most how many leading tokens ``lookup`` could restore, reading no record.
+
+        The same ``contains_many`` as ``lookup`` and nothing else: a caller that already has a
+        prefix of some length (an in-process tier) calls ``lookup`` only when this is longer.
+        """
+        tokens = _tokens(token_ids)
+        plan = self._plan(tokens, list(images), image_positions)
+        n_full, r = divmod(len(tokens), self.block_size)
+        full = plan.full(n_full)
+        trail = [plan.partial(n_full, m) for m in range(1, r + 1)]
+        keys = [self._key("b", h) for h in full] + [self._key("t", p) for p in trail]
+        found = self.backend.contains_many(keys) if keys else []
+        k = next((i for i, f in enumerate(found[:n_full]) if not f), n_full)
+        if k == n_full:
+            part = [m for m, f in zip(range(1, r + 1), found[n_full:], strict=True) if f]
+        else:
+            cands = [plan.partial(k, m) for m in range(1, self.block_size)]
+            there = self.backend.contains_many([self._key("t", p) for p in cands])
+            part = [m for m, f in zip(range(1, self.block_size), there, strict=True) if f]
+        return k * self.block_size + (part[-1] if part else 0)
 
     # ------------------------------------------------------------ the rest
 

@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import CountingBackend
 from mlx_vlm.models.cache import KVCache, QuantizedKVCache
@@ -21,6 +22,7 @@ from threads import run_threads
 
 from mlxcache import mllm_cache as mc
 from mlxcache.backends.memory import MemoryBackend
+from mlxcache.integrations.vllm_mlx import payloads
 from mlxcache.mllm_cache import (
     MLLMCacheManager,
     MLLMCacheStats,
@@ -236,7 +238,7 @@ def test_swapped_images_miss(images):
 
 def test_storing_a_key_twice_counts_once_and_refreshes_lru():
     m = MLLMCacheManager(max_entries=3)
-    one = mc._compat.true_nbytes(kv(8))
+    one = payloads.true_nbytes(kv(8))
     for i in range(3):
         m.store([f"i{i}"], "p", None, kv(8, i), list(range(8)))
     m.store(["i0"], "p", None, kv(8, 9), list(range(8)))  # again: i0 is now the newest
@@ -343,7 +345,7 @@ def test_threads_store_and_fetch_safely():
     s = m.get_stats()
     assert s["total_queries"] == 6 * 15 * 2 == s["hits"] + s["misses"]
     assert len(m) <= 12 and s["entries"] == len(m)
-    one = mc._compat.true_nbytes(kv(4))
+    one = payloads.true_nbytes(kv(4))
     assert s["memory_used_mb"] * 2**20 == len(m) * one
 
 
@@ -403,7 +405,10 @@ def test_prefix_hits_are_verified_against_the_stored_tokens():
     m.store(["a"], "p", None, kv(4), [1, 2, 3, 4])
     (ikey,) = list(backend.keys("mllm.i."))
     rec = backend.get(ikey)
-    forged = [dict(i, tokens=mc._tokens([9, 9, 9, 9]).tobytes()) for i in rec.meta["entries"]]
+    forged = [
+        dict(i, tokens=np.asarray([9, 9, 9, 9], dtype=np.int64).tobytes())
+        for i in rec.meta["entries"]
+    ]
     backend.put(ikey, type(rec)(meta={**rec.meta, "entries": forged}))
     assert m.fetch(["a"], "q", [9, 9, 9, 9]) == (None, 0)  # the index lied: a miss
     assert m.fetch(["a"], "q", [1, 2, 3, 9])[1] == 0  # stale index: not found, never wrong
@@ -608,7 +613,7 @@ def test_entries_gone_from_the_backend_do_not_evict_live_ones(tmp_path):
     m.store(["c"], "p", None, kv(4, 3), [1, 2, 3, 4])
     assert m.fetch_cache(["a"], "p")[1] is True  # was evicted for b's phantom bytes
     assert len(m) == 2 and m.stats.evictions == 0
-    assert m.get_stats()["memory_used_mb"] * 2**20 == 2 * mc._compat.true_nbytes(kv(4))
+    assert m.get_stats()["memory_used_mb"] * 2**20 == 2 * payloads.true_nbytes(kv(4))
 
 
 def test_entry_the_backend_refuses_is_not_counted(tmp_path, caplog):

@@ -270,6 +270,8 @@ def test_bad_arguments_fail_before_anything_is_written(turn1):
         pc.store(ids[:39], cache)
     with pytest.raises(TypeError):
         pc.store(ids, [*cache, object()])  # a layer the serializer cannot store
+    with pytest.raises(ValueError, match="prompt_cache is empty"):
+        pc.store(ids, [])  # would later "hit" with an empty cache
     with pytest.raises(ValueError, match="image_positions"):
         pc.lookup(ids, images=[b"a"], image_positions=[99])
     with pytest.raises(ValueError, match="block_size"):

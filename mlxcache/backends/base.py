@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mlxcache import format as fmt
+from mlxcache.backends.counters import Counters, Latency, RateLimitedLog
 from mlxcache.record import Record
 
 log = logging.getLogger("mlxcache")
@@ -82,38 +83,6 @@ def is_persistent(backend: CacheBackend) -> bool:
     return bool(getattr(backend, "persistent", True))
 
 
-class Counters:
-    """Thread-safe hit/miss/eviction/error counters for ``stats()``."""
-
-    NAMES = ("hits", "misses", "evictions", "errors")
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values = dict.fromkeys(self.NAMES, 0)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self.values[name] = self.values.get(name, 0) + n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self.values)
-
-
-class RateLimitedLog:
-    """Logs a repeated failure once per ``interval`` seconds, so a dead store does not flood."""
-
-    def __init__(self, interval: float = 30.0) -> None:
-        self.interval = interval
-        self._last: dict[str, float] = {}
-
-    def warning(self, topic: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self._last.get(topic, -1e9) >= self.interval:
-            self._last[topic] = now
-            log.warning(msg, *args)
-
-
 class BackendBase:
     """The protocol's policy over a backend's raw operations.
 
@@ -144,6 +113,7 @@ class BackendBase:
         self.backoff, self.max_backoff = backoff, max_backoff
         self.last_error: str | None = None
         self._counters = Counters()
+        self.latency = Latency()  # get/put durations, for metrics
         self._rlog = RateLimitedLog()
         self._breaker = threading.Lock()
         self._down_until = 0.0
@@ -260,10 +230,12 @@ class BackendBase:
         if not keys:
             return []
         n = len(keys)
-        out = self._guard("get", [None] * n, self._get_many, keys, n=n)
-        hits = sum(r is not None for r in out)
-        self._counters.add("hits", hits)
-        self._counters.add("misses", n - hits)
+        with self.latency.timer("get"):
+            out = self._guard("get", [None] * n, self._get_many, keys, n=n)
+        found = [r for r in out if r is not None]
+        self._counters.add("hits", len(found))
+        self._counters.add("misses", n - len(found))
+        self._counters.add("bytes_read", sum(r.nbytes for r in found))
         return out
 
     def put(self, key: str, record: Record) -> None:
@@ -282,7 +254,11 @@ class BackendBase:
                 self.scheme, key, size, self.max_bytes,
             )  # fmt: skip
             return
-        evicted = self._guard("put", 0, self._put, key, payload, size)
+        with self.latency.timer("put"):
+            evicted = self._guard("put", None, self._put, key, payload, size)
+        if evicted is None:
+            return  # failed: counted as an error
+        self._counters.add("bytes_written", record.nbytes)  # tensor bytes, as bytes_read
         if evicted:
             self._counters.add("evictions", evicted)
 

@@ -1,4 +1,4 @@
-"""Pieces shared by the vllm-mlx compatible managers: backends, payload packing, LRU slots.
+"""Payloads of the vllm-mlx compatible managers as Records.
 
 A payload (a KV cache, vision embeddings, a pixel tensor, a kwargs value) becomes either arrays
 in the Record plus a small descriptor in its metadata, or, on the memory backend only, a live
@@ -8,32 +8,15 @@ Python object kept beside the store. Persistent backends refuse what cannot be s
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
 from mlxcache import meta as meta_codec
-from mlxcache.backends.base import CacheBackend
 from mlxcache.record import Record
 from mlxcache.serializers import cache_nbytes, dump_prompt_cache, load_prompt_cache
 from mlxcache.serializers.adapters import is_cache_object
-from mlxcache.uri import open_backend
-
-
-def resolve_backend(backend: CacheBackend | str | None) -> tuple[CacheBackend, bool]:
-    """The backend to use and whether we opened it (and so close it); None is ``memory://``."""
-    if backend is None:
-        backend = "memory://"
-    if isinstance(backend, str):
-        return open_backend(backend), True
-    if not isinstance(backend, CacheBackend):
-        raise TypeError(
-            f"backend must be a URI str or a CacheBackend, got {type(backend).__name__}"
-        )
-    return backend, False
 
 
 def is_mlx(obj: Any) -> bool:
@@ -170,55 +153,3 @@ def unpack(
             raise Missing(name)
         return _copied(live[name]) if copy_live else live[name]
     raise ValueError(f"unknown payload kind {kind!r}")
-
-
-@dataclass
-class Slot:
-    """What a manager knows of one stored entry: its bytes, recency and group."""
-
-    nbytes: int
-    seq: int = 0
-    group: str = ""
-    hit_count: int = 0
-
-
-class LRU:
-    """Entry keys in least-recently-used order with a running byte total."""
-
-    def __init__(self) -> None:
-        self.items: OrderedDict[str, Slot] = OrderedDict()
-        self.nbytes = 0
-
-    def put(self, key: str, slot: Slot) -> None:
-        """Insert or replace (a replaced key's old bytes stop counting) as most recent."""
-        self.pop(key)
-        self.items[key] = slot
-        self.nbytes += slot.nbytes
-
-    def touch(self, key: str, seq: int) -> None:
-        slot = self.items.get(key)
-        if slot is not None:
-            slot.seq = seq
-            self.items.move_to_end(key)
-
-    def pop(self, key: str) -> Slot | None:
-        slot = self.items.pop(key, None)
-        if slot is not None:
-            self.nbytes -= slot.nbytes
-        return slot
-
-    def oldest(self) -> tuple[str, Slot] | None:
-        return next(iter(self.items.items()), None)
-
-    def get(self, key: str) -> Slot | None:
-        return self.items.get(key)
-
-    def clear(self) -> None:
-        self.items.clear()
-        self.nbytes = 0
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.items

@@ -1,0 +1,156 @@
+"""Prometheus metrics of backends and PrefixCaches, read at scrape time (the ``metrics`` extra).
+
+``register(backend_or_prefix_cache, ...)`` adds a collector to a ``prometheus_client``
+registry; every scrape reads the objects' ``stats()`` and latency histograms, so nothing is
+counted twice and counters only grow (``clear()`` deletes entries, never counts). Names::
+
+    mlxcache_backend_{hits,misses,evictions,errors,rejected,bytes_read,bytes_written}_total
+    mlxcache_backend_{entries,bytes}                          gauges, from the store itself
+    mlxcache_backend_{get,put}_seconds                        histograms
+    mlxcache_prefix_{lookups,hits,misses,tokens_requested,hit_tokens,stored_tokens,
+                     vision_hits,rejected}_total              per PrefixCache (label model)
+
+Labels: ``backend`` (the scheme), ``where`` (folder or URL, no password) and ``model``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+        Metric,
+    )
+    from prometheus_client.registry import Collector
+except ImportError as exc:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "mlxcache.metrics needs prometheus_client: pip install 'mlxcache[metrics]'"
+    ) from exc
+
+from mlxcache.backends.counters import BUCKETS
+
+_BACKEND_COUNTERS = ("hits", "misses", "evictions", "errors", "rejected", "bytes_read",
+                     "bytes_written")  # fmt: skip
+_PREFIX_COUNTERS = {
+    "lookups": "lookups",
+    "hits": "hits",
+    "misses": "misses",
+    "tokens_requested": "tokens_requested",
+    "hit_tokens": "tokens_reused",
+    "stored_tokens": "tokens_written",
+    "vision_hits": "vision_hits",
+    "rejected": "rejected",
+}
+_HELP = {
+    "hits": "records found",
+    "misses": "records not found (failures included)",
+    "evictions": "records evicted for the byte budget",
+    "errors": "store failures read as misses or no-ops",
+    "rejected": "records refused as unsigned, forged or malformed",
+    "bytes_read": "tensor bytes returned by get",
+    "bytes_written": "tensor bytes stored by put",
+}
+
+
+def _where(stats: dict[str, Any]) -> str:
+    return str(stats.get("path") or stats.get("url") or "")
+
+
+class CacheCollector(Collector):
+    """Reads the registered backends and PrefixCaches at every scrape."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._objects: list[Any] = []
+
+    def add(self, obj: Any) -> None:
+        """A backend (anything with ``stats()``) or a PrefixCache (its backend comes along)."""
+        if not callable(getattr(obj, "stats", None)):
+            raise TypeError(f"cannot collect metrics of a {type(obj).__name__}: it has no stats()")
+        with self._lock:
+            if all(o is not obj for o in self._objects):
+                self._objects.append(obj)
+
+    def _backends(self) -> list[Any]:
+        found: list[Any] = []
+        for obj in self._objects:
+            backend = obj.backend if _is_prefix_cache(obj) else obj
+            if all(b is not backend for b in found):
+                found.append(backend)
+        return found
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            objects = list(self._objects)
+        labels = ["backend", "where"]
+        counters = {
+            n: CounterMetricFamily(f"mlxcache_backend_{n}", _HELP[n], labels=labels)
+            for n in _BACKEND_COUNTERS
+        }
+        entries = GaugeMetricFamily("mlxcache_backend_entries", "records stored", labels=labels)
+        nbytes = GaugeMetricFamily("mlxcache_backend_bytes", "bytes stored", labels=labels)
+        hists = {
+            op: HistogramMetricFamily(
+                f"mlxcache_backend_{op}_seconds", f"duration of {op} calls", labels=labels
+            )
+            for op in ("get", "put")
+        }
+        for backend in self._backends():
+            stats = backend.stats()
+            values = [str(stats.get("backend", type(backend).__name__)), _where(stats)]
+            for name, family in counters.items():
+                family.add_metric(values, float(stats.get(name, 0)))
+            entries.add_metric(values, float(stats.get("entries", 0)))
+            nbytes.add_metric(values, float(stats.get("bytes", 0)))
+            latency = getattr(backend, "latency", None)
+            for op, (counts, total) in (latency.snapshot() if latency else {}).items():
+                if op in hists:
+                    hists[op].add_metric(values, _cumulative(counts), total)
+        yield from counters.values()
+        yield entries
+        yield nbytes
+        yield from hists.values()
+        prefix = {
+            n: CounterMetricFamily(f"mlxcache_prefix_{n}", f"PrefixCache {s}", labels=["model"])
+            for n, s in _PREFIX_COUNTERS.items()
+        }
+        for obj in objects:
+            if _is_prefix_cache(obj):
+                stats = obj.stats()
+                for name, source in _PREFIX_COUNTERS.items():
+                    prefix[name].add_metric([obj.model], float(stats.get(source, 0)))
+        yield from prefix.values()
+
+
+def _is_prefix_cache(obj: Any) -> bool:
+    return hasattr(obj, "backend") and hasattr(obj, "model") and hasattr(obj, "lookup")
+
+
+def _cumulative(counts: list[int]) -> list[tuple[str, float]]:
+    out, total = [], 0
+    for bound, n in zip([*map(str, BUCKETS), "+Inf"], counts, strict=True):
+        total += n
+        out.append((bound, float(total)))
+    return out
+
+
+def register(*objects: Any, registry: CollectorRegistry | None = None) -> CacheCollector:
+    """Collect metrics of these backends / PrefixCaches in ``registry`` (default: the global)."""
+    collector = CacheCollector()
+    for obj in objects:
+        collector.add(obj)
+    (REGISTRY if registry is None else registry).register(collector)
+    return collector
+
+
+def render(*objects: Any) -> bytes:
+    """The Prometheus text format of these objects' metrics alone (``mlxcache stats``)."""
+    registry = CollectorRegistry()
+    register(*objects, registry=registry)
+    return generate_latest(registry)
