@@ -352,5 +352,8 @@ def test_the_command_line_works_on_a_cluster(redis_cluster, tmp_path, capsys):
     stats = json.loads(capsys.readouterr().out)
     assert stats["entries"] == 10 and stats["backend"] == "redis+cluster"
     assert main(["verify", redis_cluster.url]) == 0
+    capsys.readouterr()
+    assert main(["inspect", redis_cluster.url, "k/3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["meta"] == {"seed": 3}
     assert main(["gc", redis_cluster.url, "--max-bytes", "0"]) == 0
     assert len(mlxcache.open_backend(redis_cluster.url)) == 0
