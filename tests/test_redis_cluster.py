@@ -61,6 +61,10 @@ def test_cluster_round_trip_is_bit_exact_and_spreads_over_primaries(redis_cluste
         s = b.stats()
         assert s["backend"] == "redis+cluster" and s["entries"] == 61 and s["groups"] == 16
         assert s["errors"] == 0 and s["available"]
+        nodes = s["nodes"]  # the spread over the primaries, for monitoring
+        assert len(nodes) == 3 and sum(n["groups"] for n in nodes.values()) == 16
+        assert sum(n["entries"] for n in nodes.values()) == 61
+        assert sum(n["bytes"] for n in nodes.values()) == s["bytes"]
     per_node = node_keys(redis_cluster)
     assert sum(1 for keys in per_node.values() if keys) == 3  # all primaries hold records
 

@@ -436,10 +436,21 @@ class RedisBackend(BackendBase):
     def _stats(self) -> dict[str, Any]:
         """Entries and bytes from the shared index (hits/misses/...: this process's)."""
         found = self._each_group("stats", lambda g: [])
-        return {
+        out: dict[str, Any] = {
             "entries": sum(int(e) for e, _ in found),
             "bytes": sum(int(b) for _, b in found),
         }
+        nodes: dict[str, dict[str, int]] = {}
+        for g, (e, b) in enumerate(found):
+            name = self.router.node_name(self.layout.slots[g])
+            if name is not None:  # a cluster: how the groups and bytes spread over primaries
+                n = nodes.setdefault(name, {"groups": 0, "entries": 0, "bytes": 0})
+                n["groups"] += 1
+                n["entries"] += int(e)
+                n["bytes"] += int(b)
+        if nodes:
+            out["nodes"] = nodes
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -30,6 +30,10 @@ class SingleRouter:
     def clients(self) -> list[redis.Redis]:
         return [self.one]
 
+    def node_name(self, slot: int) -> str | None:
+        """``host:port`` of the node serving ``slot`` when there are several (else None)."""
+        return None
+
     def invalidate(self) -> None:
         pass
 
@@ -124,6 +128,14 @@ class ClusterRouter:
             self._stale = True
             raise redis.ConnectionError(f"slot {slot} is not served by any cluster node")
         return self._client_at(self._owners[i])
+
+    def node_name(self, slot: int) -> str | None:
+        self._ready()
+        i = bisect.bisect_right(self._starts, slot) - 1
+        if i < 0 or slot > self._ends[i]:
+            return None
+        host, port = self._owners[i]
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     def clients(self) -> list[redis.Redis]:
         """One client per primary."""
