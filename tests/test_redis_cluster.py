@@ -44,6 +44,44 @@ def wait_serving(backend, timeout: float = 30.0) -> float:
     raise AssertionError(f"the cache did not serve again within {timeout}s")
 
 
+class Workers:
+    """Threads that put and get known records until stopped; every hit must be bit-exact."""
+
+    def __init__(self, backend, records: dict[int, object], n: int = 3) -> None:
+        self.backend, self.records = backend, records
+        self.expected = {i: bits(r.arrays["x"]) for i, r in records.items()}
+        self.stop = threading.Event()
+        self.seen: collections.Counter[str] = collections.Counter()
+        self.errors: list[BaseException] = []
+        self.threads = [threading.Thread(target=self._run, args=(t,)) for t in range(n)]
+        for th in self.threads:
+            th.start()
+
+    def _run(self, t: int) -> None:
+        rng = random.Random(t)
+        try:
+            while not self.stop.is_set():
+                i = rng.randrange(len(self.records))
+                if rng.random() < 0.3:
+                    self.backend.put(f"k{i}", self.records[i])
+                    continue
+                got = self.backend.get(f"k{i}")
+                if got is None:
+                    self.seen["miss"] += 1
+                else:
+                    assert bits(got.arrays["x"]) == self.expected[i], f"wrong bits for k{i}"
+                    self.seen["hit"] += 1
+        except BaseException as exc:  # reported by finish()
+            self.errors.append(exc)
+
+    def finish(self) -> collections.Counter[str]:
+        self.stop.set()
+        for th in self.threads:
+            th.join(30)
+        assert not self.errors, self.errors
+        return self.seen
+
+
 # ---------------------------------------------------------------- cluster: layout
 
 
@@ -165,46 +203,19 @@ def test_cluster_keys_clear_and_delete(redis_cluster):
 # ---------------------------------------------------------------- cluster: failover
 
 
-def test_primary_killed_mid_run_gives_misses_then_serves_again(redis_cluster, caplog):
+def test_primary_killed_mid_run_gives_misses_then_serves_again(redis_cluster):
     """Workers put and get while a primary is SIGKILLed: every read is bit-exact or a miss,
     nothing raises, and after the replica's promotion the cache serves every slot again."""
     b = mlxcache.open_backend(redis_cluster.url, timeout=1, max_backoff=0.5)
     records = {i: blob_record(200 + i, i) for i in range(40)}
-    expected = {i: bits(r.arrays["x"]) for i, r in records.items()}
     for i, rec in records.items():
         b.put(f"k{i}", rec)
-    stop = threading.Event()
-    seen = collections.Counter()
-    errors: list[BaseException] = []
-
-    def worker(t: int) -> None:
-        rng = random.Random(t)
-        try:
-            while not stop.is_set():
-                i = rng.randrange(40)
-                if rng.random() < 0.3:
-                    b.put(f"k{i}", records[i])
-                    continue
-                got = b.get(f"k{i}")
-                if got is None:
-                    seen["miss"] += 1
-                else:
-                    assert bits(got.arrays["x"]) == expected[i], f"wrong bits for k{i}"
-                    seen["hit"] += 1
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=worker, args=(t,)) for t in range(3)]
-    for th in threads:
-        th.start()
+    workers = Workers(b, records)
     time.sleep(0.3)
     redis_cluster.kill_primary(1)
     wait_serving(b)
     time.sleep(0.3)
-    stop.set()
-    for th in threads:
-        th.join(30)
-    assert not errors, errors
+    seen = workers.finish()
     assert seen["hit"] > 0 and seen["miss"] > 0  # the outage was seen, and served around
     assert b.stats()["errors"] > 0
     # every slot answers again: all 40 keys (on every primary) are written and read back
@@ -216,7 +227,9 @@ def test_primary_killed_mid_run_gives_misses_then_serves_again(redis_cluster, ca
         if all(g is not None for g in got) or time.monotonic() > deadline:
             break
         time.sleep(0.1)
-    assert all(g is not None and bits(g.arrays["x"]) == expected[i] for i, g in enumerate(got))
+    assert all(
+        g is not None and bits(g.arrays["x"]) == workers.expected[i] for i, g in enumerate(got)
+    )
 
 
 # ---------------------------------------------------------------- cluster: PrefixCache
@@ -276,6 +289,20 @@ def test_sentinel_round_trip(redis_sentinel):
         s = b.stats()
         assert s["backend"] == "redis+sentinel" and s["entries"] == 2 and s["errors"] == 0
         assert "mymaster" in s["url"]
+
+
+def test_sentinel_failover_mid_run_gives_misses_then_serves_again(redis_sentinel):
+    b = mlxcache.open_backend(redis_sentinel.url, timeout=1, max_backoff=0.5)
+    records = {i: blob_record(300 + i, i) for i in range(20)}
+    for i, rec in records.items():
+        b.put(f"k{i}", rec)
+    workers = Workers(b, records)
+    time.sleep(0.3)
+    redis_sentinel.failover()
+    wait_serving(b)
+    time.sleep(0.3)
+    seen = workers.finish()
+    assert seen["hit"] > 0 and seen["miss"] > 0 and b.stats()["errors"] > 0
 
 
 def test_sentinel_failover_is_followed(redis_sentinel):
