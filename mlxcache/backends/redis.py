@@ -179,23 +179,30 @@ class RedisBackend(BackendBase):
             self._load_scripts(client)
             return self._eval(client, name, g, keys, args)
 
+    def _scripts(self, client: redis.Redis, calls: list[tuple[str, int, list, list]]) -> list:
+        """Run ``(script, group, keys, args)`` calls in one pipeline on one node; the scripts
+        are loaded once if the node forgot them (a restart, a promoted replica)."""
+        for attempt in (0, 1):
+            pipe = client.pipeline(transaction=False)
+            for name, g, keys, args in calls:
+                self._eval(pipe, name, g, keys, args)
+            replies = pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                self._load_scripts(client)
+                continue
+            for r in replies:
+                if isinstance(r, Exception):
+                    raise r
+            return replies
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def _each_group(self, name: str, args: Callable[[int], list[Any]]) -> list[Any]:
         """Run a script once per group, one pipeline per node; results in group order."""
         out: list[Any] = [None] * self.groups
         for client, gs in self._by_node(range(self.groups)):
-            for attempt in (0, 1):
-                pipe = client.pipeline(transaction=False)
-                for g in gs:
-                    self._eval(pipe, name, g, self.layout.index[g], args(g))
-                replies = pipe.execute(raise_on_error=False)
-                if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                    self._load_scripts(client)
-                    continue
-                for g, r in zip(gs, replies, strict=True):
-                    if isinstance(r, Exception):
-                        raise r
-                    out[g] = r
-                break
+            calls = [(name, g, self.layout.index[g], args(g)) for g in gs]
+            for g, r in zip(gs, self._scripts(client, calls), strict=True):
+                out[g] = r
         return out
 
     def _header(self, key: str) -> st.Header | None:
@@ -332,20 +339,11 @@ class RedisBackend(BackendBase):
         """Refresh LRU order of keys (the touch script), one pipeline per node."""
         groups = [self.layout.group(k) for k in keys]
         for client, pos in self._by_node(groups):
-            for attempt in (0, 1):
-                pipe = client.pipeline(transaction=False)
-                for i in pos:
-                    g = groups[i]
-                    vkey = self.layout.vkey(keys[i], g)
-                    self._eval(pipe, "touch", g, [*self.layout.index[g], vkey], [keys[i]])
-                replies = pipe.execute(raise_on_error=False)
-                if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
-                    self._load_scripts(client)
-                    continue
-                for r in replies:
-                    if isinstance(r, Exception):
-                        raise r
-                break
+            calls = []
+            for i in pos:
+                g, vkey = groups[i], self.layout.vkey(keys[i], groups[i])
+                calls.append(("touch", g, [*self.layout.index[g], vkey], [keys[i]]))
+            self._scripts(client, calls)
 
     def _chunk_keys(self, g: int, m: dict[str, Any]) -> list[str]:
         return [self.layout.ckey(g, m["gen"], i) for i in range(m["n"])]
