@@ -18,6 +18,7 @@ import numpy as np
 from mlxcache import hashing
 from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, log
+from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
@@ -131,7 +132,7 @@ class PrefixCache:
         self._seed = hashing.namespace_seed(model, salt)
         self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
         self._lock = threading.Lock()
-        self.writer: Any = None  # a BackgroundWriter, made by the first background store
+        self.writer: BackgroundWriter | None = None  # made by the first background store
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
              "stores", "tokens_written", "records_written", "rejected"), 0)  # fmt: skip
@@ -252,8 +253,6 @@ class PrefixCache:
                 todo.append((key, rec, 0))
         if not background:
             return self._write(todo)
-        from mlxcache.backends.writer import BackgroundWriter
-
         with self._lock:
             if self.writer is None:
                 self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
