@@ -329,6 +329,31 @@ class BackendBase:
         """Release connections and files (a later call may open them again)."""
         self._guard("close", None, self._close)
 
+    # ------------------------------------------------------------ pins (see docs/backends.md)
+
+    pinnable = False  # backends that keep pinned entries out of LRU eviction set True
+
+    def _pin(self, key: str, on: bool) -> bool:
+        raise NotImplementedError
+
+    def pin(self, key: str) -> bool:
+        """Keep ``key`` out of LRU eviction and expiry (within ``pin_max_bytes``).
+
+        False if the key is not stored or the pin budget is full (logged); a backend that
+        cannot pin raises NotImplementedError.
+        """
+        return self._pinning(key, True)
+
+    def unpin(self, key: str) -> bool:
+        """Make a pinned ``key`` an ordinary LRU entry again; False if it was not pinned."""
+        return self._pinning(key, False)
+
+    def _pinning(self, key: str, on: bool) -> bool:
+        check_key(key)
+        if not self.pinnable:
+            raise NotImplementedError(f"{self.scheme}:// backends cannot pin entries")
+        return bool(self._guard("pin" if on else "unpin", False, self._pin, key, on))
+
     def __enter__(self):
         return self
 
