@@ -33,7 +33,9 @@ from urllib.parse import SplitResult, unquote
 
 from mlxcache import format as st
 from mlxcache import signing
-from mlxcache.backends.base import BackendBase, log
+from mlxcache.backends import clock
+from mlxcache.backends.base import BackendBase, check_budget, log
+from mlxcache.backends.clock import check_lifetime, lifetime_options
 from mlxcache.backends.disk_files import (
     DATA_NAME,
     GROUP_MODES,
@@ -101,6 +103,7 @@ class DiskBackend(BackendBase):
     """
 
     scheme = "file"
+    pinnable = True
 
     def __init__(
         self,
@@ -111,8 +114,15 @@ class DiskBackend(BackendBase):
         signer: signing.Signer | None = None,
         secret_env: str | None = None,
         shared_group: bool = False,
+        ttl: float | None = None,
+        idle_ttl: float | None = None,
+        pin_max_bytes: int | None = None,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
+        self.ttl = check_lifetime("ttl", ttl)
+        self.idle_ttl = check_lifetime("idle_ttl", idle_ttl)
+        pin_max = check_budget("pin_max_bytes", pin_max_bytes)
+        self.pin_max_bytes = max_bytes if pin_max is None else pin_max
         self.shared_group = bool(shared_group)
         self._dir_mode, self._file_mode = GROUP_MODES if shared_group else PRIVATE_MODES
         self.signer = signer if signer is not None else signing.resolve(secret_env)
@@ -201,6 +211,7 @@ class DiskBackend(BackendBase):
                 schema = row[0] if row else None
                 if type(schema) is not int or schema < 1:
                     raise sqlite3.DatabaseError(f"index schema row is corrupt ({schema!r:.20})")
+                _add_pin_column(db)
                 break
             except sqlite3.OperationalError as exc:
                 if db is not None and db.in_transaction:
@@ -278,10 +289,11 @@ class DiskBackend(BackendBase):
         """Delete least recently used rows (never ``keep``) until the total fits ``limit``."""
         files: list[str] = []
         (total,) = db.execute("SELECT value FROM settings WHERE key='size'").fetchone()
-        total = total if type(total) is int else 0
+        total = (total if type(total) is int else 0) - self._pinned(db)[1]  # pins: own budget
         while total > limit:
             rows = db.execute(
-                "SELECT key, file, size FROM entries WHERE key != ? ORDER BY access_time LIMIT ?",
+                "SELECT key, file, size FROM entries WHERE key != ? AND pinned = 0 "
+                "ORDER BY access_time LIMIT ?",
                 (keep, _EVICT_BATCH),
             ).fetchall()
             if not rows:
@@ -295,6 +307,65 @@ class DiskBackend(BackendBase):
                     break
         return files
 
+    # ------------------------------------------------------------ lifetimes and pins
+
+    def _live(self) -> tuple[str, tuple[float, float]]:
+        """A WHERE clause (and its parameters) true of rows not expired on the clock."""
+        now = clock.now()
+        born = -1.0 if self.ttl is None else now - self.ttl
+        used = -1.0 if self.idle_ttl is None else now - self.idle_ttl
+        return "(pinned = 1 OR (store_time > ? AND access_time > ?))", (born, used)
+
+    def _expire(self, db: sqlite3.Connection) -> list[str]:
+        """Unindex expired rows (inside a transaction); returns their files to remove."""
+        if self.ttl is None and self.idle_ttl is None:
+            return []
+        live, params = self._live()
+        rows = db.execute(
+            f"SELECT key, CAST(file AS BLOB) FROM entries WHERE NOT {live}", params
+        ).fetchall()
+        files = []
+        for key, raw in rows:
+            db.execute("DELETE FROM entries WHERE key = ?", (key,))
+            if isinstance(key, str) and (file := self._file_of(key, raw)):
+                files.append(file)
+        return files
+
+    def _pinned(self, db: sqlite3.Connection) -> tuple[int, int]:
+        """(entries, bytes) of pinned rows."""
+        n, size = db.execute(
+            "SELECT COUNT(*), TOTAL(size) FROM entries WHERE pinned = 1"
+        ).fetchone()
+        return int(n), int(size)
+
+    def _pin(self, key: str, on: bool) -> bool:
+        live, params = self._live()
+        with self._transaction() as db:
+            row = db.execute(
+                f"SELECT size, pinned FROM entries WHERE key = ? AND {live}", (key, *params)
+            ).fetchone()
+            if row is None:
+                return False
+            size, pinned = row
+            if bool(pinned) == on:
+                return True
+            if on and self.pin_max_bytes is not None:
+                held = self._pinned(db)[1]
+                if held + size > self.pin_max_bytes:
+                    log.warning(
+                        "file cache: not pinning %r (%d bytes): pins hold %d of "
+                        "pin_max_bytes=%d", key, size, held, self.pin_max_bytes,
+                    )  # fmt: skip
+                    return False
+            db.execute(
+                "UPDATE entries SET pinned = ?, access_time = ? WHERE key = ?",
+                (int(on), clock.now(), key),
+            )
+            evicted = [] if on or self.max_bytes is None else self._evict(db, self.max_bytes)
+        self._remove_files(evicted)
+        self._counters.add("evictions", len(evicted))
+        return True
+
     def _remove_files(self, files: Iterable[str | None]) -> None:
         """Delete files the index no longer names (after the commit that dropped them)."""
         for file in files:
@@ -302,11 +373,13 @@ class DiskBackend(BackendBase):
                 unlink(self._data / file)
 
     def _trim(self, max_bytes: int) -> int:
-        if self._settings()["size"] <= max_bytes:
+        lifetimes = self.ttl is not None or self.idle_ttl is not None
+        if self._settings()["size"] <= max_bytes and not lifetimes:
             return 0
         with self._transaction() as db:
+            expired = self._expire(db)
             evicted = self._evict(db, max_bytes)
-        self._remove_files(evicted)
+        self._remove_files([*expired, *evicted])
         return len(evicted)
 
     def _discard(self, key: str, file: str, exc: BaseException) -> None:
@@ -343,11 +416,13 @@ class DiskBackend(BackendBase):
         db = self._db()
         found: dict[str, str] = {}
         bad: list[tuple[str, Any]] = []
+        live, params = self._live()
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i : i + _CHUNK]
             marks = ",".join("?" * len(chunk))
             rows = db.execute(
-                f"SELECT key, CAST(file AS BLOB) FROM entries WHERE key IN ({marks})", chunk
+                f"SELECT key, CAST(file AS BLOB) FROM entries WHERE key IN ({marks}) AND {live}",
+                (*chunk, *params),
             )
             for key, raw in rows:
                 file = self._file_of(key, raw)
@@ -395,7 +470,7 @@ class DiskBackend(BackendBase):
         """Mark entries as just used (LRU); a failure here costs ordering, not the hit."""
         if not pairs:
             return
-        now = time.time()
+        now = clock.now()
         try:
             with self._transaction() as db:
                 db.executemany(
@@ -406,7 +481,7 @@ class DiskBackend(BackendBase):
             self.error("touch", exc)
 
     def _touch_many(self, keys: list[str]) -> None:
-        now = time.time()
+        now = clock.now()
         with self._transaction() as db:
             db.executemany(
                 "UPDATE entries SET access_time = ? WHERE key = ?", [(now, k) for k in keys]
@@ -440,8 +515,10 @@ class DiskBackend(BackendBase):
         """Keys starting with ``prefix``, in sorted order, from the index alone."""
         found: list[str] = []
         # UTF-8 byte order is code point order, so the matches are one contiguous run
+        live, params = self._live()
         cur = self._db().execute(
-            "SELECT CAST(key AS BLOB) FROM entries WHERE key >= ? ORDER BY key", (prefix,)
+            f"SELECT CAST(key AS BLOB) FROM entries WHERE key >= ? AND {live} ORDER BY key",
+            (prefix, *params),
         )
         while rows := cur.fetchmany(256):
             for (raw,) in rows:
@@ -462,14 +539,28 @@ class DiskBackend(BackendBase):
         return out
 
     def _count(self) -> int:
-        return self._settings()["count"]
+        return self._stats()["entries"]
 
     def _stats(self) -> dict[str, Any]:
         settings = self._settings()
-        return {"entries": settings["count"], "bytes": settings["size"]}
+        db = self._db()
+        out = {"entries": settings["count"], "bytes": settings["size"]}
+        if self.ttl is not None or self.idle_ttl is not None:  # expired rows not yet removed
+            live, params = self._live()
+            n, size = db.execute(
+                f"SELECT COUNT(*), TOTAL(size) FROM entries WHERE {live}", params
+            ).fetchone()
+            out = {"entries": int(n), "bytes": int(size)}
+        out["pinned_entries"], out["pinned_bytes"] = self._pinned(db)
+        return out
 
     def describe(self) -> dict[str, Any]:
-        return {"path": str(self.root)}
+        return {
+            "path": str(self.root),
+            "ttl": self.ttl,
+            "idle_ttl": self.idle_ttl,
+            "pin_max_bytes": self.pin_max_bytes,
+        }
 
     # ------------------------------------------------------------ writes
 
@@ -493,18 +584,20 @@ class DiskBackend(BackendBase):
                 fsync_dir(self._data)
             os.replace(tmp, final)
             fsync_dir(final.parent)
-            now = time.time()
+            now = clock.now()
             with self._transaction() as db:
                 row = db.execute(
                     "SELECT CAST(file AS BLOB) FROM entries WHERE key = ?", (key,)
                 ).fetchone()
                 db.execute(_UPSERT, (key, name, size, now, now))
+                expired = self._expire(db)
                 evicted = [] if self.max_bytes is None else self._evict(db, self.max_bytes, key)
         except BaseException:  # nothing was published: leave no file behind
             unlink(tmp)
             unlink(final)
             raise
-        self._remove_files([self._file_of(key, row[0]) if row else None, *evicted])
+        old = self._file_of(key, row[0]) if row else None
+        self._remove_files([old, *expired, *evicted])
         return len(evicted)
 
     def _delete(self, key: str) -> bool:
@@ -543,7 +636,8 @@ class DiskBackend(BackendBase):
 
 
 def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
-    """``file:///abs/path`` or ``file://~/rel`` (home), ``?max_bytes=20GiB&timeout=10``."""
+    """``file:///abs/path`` or ``file://~/rel`` (home), ``?max_bytes=20GiB&timeout=10``; also
+    ``ttl``, ``idle_ttl`` (seconds) and ``pin_max_bytes``."""
     host, path = url.netloc, unquote(url.path)
     if host.startswith("~"):
         home = os.path.expanduser(host)
@@ -566,7 +660,28 @@ def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     timeout = opts.float("timeout", 10.0)
     secret_env = opts.str("secret_env", None)
     shared_group = opts.bool("shared_group", False)
+    lifetimes = lifetime_options(opts)
     opts.done()
     return DiskBackend(
-        root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env, shared_group=shared_group
+        root,
+        max_bytes=max_bytes,
+        timeout=timeout,
+        secret_env=secret_env,
+        shared_group=shared_group,
+        **lifetimes,
     )
+
+
+def _add_pin_column(db: sqlite3.Connection) -> None:
+    """Give an index made before pins its ``pinned`` column (0: not pinned)."""
+    columns = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+    if "pinned" not in columns:
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            columns = {row[1] for row in db.execute("PRAGMA table_info(entries)")}
+            if "pinned" not in columns:  # another process may have just added it
+                db.execute("ALTER TABLE entries ADD COLUMN pinned INTEGER NOT NULL DEFAULT 0")
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
