@@ -317,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("uri")
     sp.add_argument("--prefix", default="")
     sp.add_argument("--json", action="store_true")
+    # pin / unpin / warm: entry lifetimes (mlxcache/cli_lifetimes.py)
+    from mlxcache.cli_lifetimes import add_commands
+
+    add_commands(add)
     return p
 
 

@@ -135,7 +135,8 @@ class PrefixCache:
         self.writer: BackgroundWriter | None = None  # made by the first background store
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
-             "stores", "tokens_written", "records_written", "rejected"), 0)  # fmt: skip
+             "stores", "tokens_written", "records_written", "rejected", "records_pinned",
+             "pins_refused"), 0)  # fmt: skip
 
     # ------------------------------------------------------------ keys
 
@@ -197,8 +198,13 @@ class PrefixCache:
         vision_embeddings: Any = None,
         image_positions: Sequence[int] | None = None,
         background: bool = False,
+        pin: bool = False,
     ) -> int:
         """Store the cache of exactly ``token_ids``; returns how many new tokens the store kept.
+
+        ``pin=True`` pins every record of this prompt (those already stored too), so LRU
+        eviction and expiry never take them (a backend with ``pinnable`` only; see
+        docs/backends.md).
 
         Only blocks not yet stored are written (one ``contains_many`` first, one after the
         puts to count what the backend kept: a refused or failed put counts 0). ``extras``
@@ -206,6 +212,8 @@ class PrefixCache:
         the records are built and evaluated here, the puts run on this cache's writer thread
         (see ``flush()``) and the return value is the number of new tokens queued.
         """
+        if pin and not getattr(self.backend, "pinnable", False):
+            raise NotImplementedError(f"{type(self.backend).__name__} cannot pin entries")
         tokens = _tokens(token_ids)
         images = list(images)
         if vision_embeddings is not None and not images:
@@ -252,14 +260,24 @@ class PrefixCache:
             if rec is not None:
                 todo.append((key, rec, 0))
         if not background:
-            return self._write(todo)
+            written = self._write(todo)
+            if pin:
+                self._pin(keys)
+            return written
         with self._lock:
             if self.writer is None:
                 self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
         # MLX arrays must be evaluated on the thread that built them, before the writer's
         mx.eval([a for _, rec, _ in todo for a in rec.arrays.values()])
         nbytes = sum(rec.nbytes for _, rec, _ in todo)
-        queued = self.writer.submit(lambda: self._write(todo), nbytes) if todo else True
+
+        def write() -> int:
+            written = self._write(todo)
+            if pin:
+                self._pin(keys)
+            return written
+
+        queued = self.writer.submit(write, nbytes) if todo or pin else True
         return sum(m for _, _, m in todo) if queued else 0
 
     def _write(self, todo: list[tuple[str, Record, int]]) -> int:
@@ -271,6 +289,13 @@ class PrefixCache:
         written = sum(m for (_, _, m), ok in zip(todo, kept, strict=True) if ok)
         self._count(stores=1, tokens_written=written, records_written=sum(kept))
         return written
+
+    def _pin(self, keys: list[str]) -> None:
+        """Pin the records of one prompt; one the backend refuses (budget full) is logged."""
+        refused = [k for k in keys if not self.backend.pin(k)]
+        self._count(records_pinned=len(keys) - len(refused), pins_refused=len(refused))
+        if refused:
+            log.warning("prefix cache: %d of %d records not pinned", len(refused), len(keys))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every ``store(..., background=True)`` so far is written (or dropped)."""
