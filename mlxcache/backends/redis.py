@@ -26,7 +26,9 @@ from redis.retry import Retry
 
 from mlxcache import format as st
 from mlxcache import signing
-from mlxcache.backends.base import BackendBase, log
+from mlxcache.backends import clock
+from mlxcache.backends.base import BackendBase, check_budget, log
+from mlxcache.backends.clock import check_lifetime
 from mlxcache.backends.redis_chunks import (
     MAX_CHUNKS,
     complete_chunks,
@@ -91,6 +93,7 @@ class RedisBackend(BackendBase):
     """
 
     scheme = "redis"
+    pinnable = True
     _unreachable = _UNREACHABLE
 
     def __init__(
@@ -108,6 +111,8 @@ class RedisBackend(BackendBase):
         secret_env: str | None = None,
         groups: int = 1,
         router: Any = None,
+        idle_ttl: float | None = None,
+        pin_max_bytes: int | None = None,
         **redis_kwargs: Any,
     ) -> None:
         if not isinstance(url, str):
@@ -127,6 +132,10 @@ class RedisBackend(BackendBase):
         self.timeout = timeout
         self.chunk_size = chunk_size
         self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
+        self.idle_ttl = check_lifetime("idle_ttl", idle_ttl)
+        self._idle_ms = 0 if idle_ttl is None else max(1, round(idle_ttl * 1000))
+        pin_max = check_budget("pin_max_bytes", pin_max_bytes)
+        self.pin_max_bytes = max_bytes if pin_max is None else pin_max
         if router is None:
             pool = redis.ConnectionPool.from_url(url, **pool_kwargs(timeout), **redis_kwargs)
             router = SingleRouter(pool)
@@ -171,7 +180,11 @@ class RedisBackend(BackendBase):
         super().error(op, exc, n, logged)
 
     def _eval(self, target: Any, name: str, g: int, keys: list[str], args: list[Any]) -> Any:
-        return target.evalsha(SHAS[name], len(keys), *keys, self.layout.heads[g], *args)
+        offset = round(clock.offset() * 1000)  # 0 unless a test moved the lifetime clock
+        head = self.layout.heads[g]
+        return target.evalsha(
+            SHAS[name], len(keys), *keys, head, offset, self._ttl_ms, self._idle_ms, *args
+        )
 
     def _load_scripts(self, client: redis.Redis) -> None:
         for body in SCRIPTS.values():
@@ -265,7 +278,13 @@ class RedisBackend(BackendBase):
 
     def _commit_args(self, key: str, size: int, info: str, manifest: bytes) -> list[Any]:
         budget = self.group_budget
-        return [key, size, self._ttl_ms, -1 if budget is None else budget, info, manifest]
+        return [key, size, -1 if budget is None else budget, info, manifest]
+
+    @property
+    def _px(self) -> int | None:
+        """Real-time expiry of a value just written: the sooner of ttl and idle_ttl."""
+        px = min(x for x in (self._ttl_ms, self._idle_ms, 1 << 62) if x)
+        return None if px == 1 << 62 else px
 
     def _put_whole(self, key: str, blob: bytes) -> int:
         g = self.layout.group(key)
@@ -273,7 +292,7 @@ class RedisBackend(BackendBase):
         keys = [*self.layout.index[g], self.layout.vkey(key, g)]
         args = self._commit_args(key, len(blob), "", b"")
         pipe = client.pipeline(transaction=True)
-        pipe.set(keys[-1], blob, px=self._ttl_ms or None)
+        pipe.set(keys[-1], blob, px=self._px)
         self._eval(pipe, "commit", g, keys, args)
         _, result = pipe.execute(raise_on_error=False)
         if isinstance(result, NoScriptError):  # the value is set; index it now
@@ -322,16 +341,16 @@ class RedisBackend(BackendBase):
     def _fetch_node(self, client: redis.Redis, items: list[tuple[str, int]]) -> list[Value]:
         """GET + LRU refresh of keys on one node in one round trip; chunks in one more."""
         pipe = client.pipeline(transaction=False)
-        for k, g in items:
+        for k, g in items:  # the touch first: it drops a key whose lifetime is over
             vkey = self.layout.vkey(k, g)
+            self._eval(pipe, "touch", g, [*self.layout.index[g], vkey], [k, 1])
             pipe.get(vkey)
-            self._eval(pipe, "touch", g, [*self.layout.index[g], vkey], [k])
         replies = pipe.execute(raise_on_error=False)
-        values: list[Value] = replies[0::2]
+        values: list[Value] = replies[1::2]
         for r in values:
             if isinstance(r, Exception):
                 raise r
-        if any(isinstance(r, NoScriptError) for r in replies[1::2]):
+        if any(isinstance(r, NoScriptError) for r in replies[0::2]):
             self._load_scripts(client)  # only the LRU refresh was lost; next time it works
         manifests = [i for i, v in enumerate(values) if v is not None and is_manifest(v)]
         if manifests:
@@ -356,7 +375,7 @@ class RedisBackend(BackendBase):
             calls = []
             for i in pos:
                 g, vkey = groups[i], self.layout.vkey(keys[i], groups[i])
-                calls.append(("touch", g, [*self.layout.index[g], vkey], [keys[i]]))
+                calls.append(("touch", g, [*self.layout.index[g], vkey], [keys[i], 1]))
             self._scripts(client, calls)
 
     def _chunk_keys(self, g: int, m: dict[str, Any]) -> list[str]:
@@ -409,19 +428,41 @@ class RedisBackend(BackendBase):
         return bool(self._script("drop", self.layout.group(key), [key]))
 
     def _contains_many(self, keys: list[str]) -> list[bool]:
-        """EXISTS for many keys: one pipelined round trip per node."""
+        """Whether keys are stored and live (the touch script without the LRU refresh): one
+        pipelined round trip per node."""
         groups = [self.layout.group(k) for k in keys]
         found = [False] * len(keys)
         for client, pos in self._by_node(groups):
-            pipe = client.pipeline(transaction=False)
+            calls = []
             for i in pos:
-                pipe.exists(self.layout.vkey(keys[i], groups[i]))
-            for i, x in zip(pos, pipe.execute(), strict=True):
+                g, vkey = groups[i], self.layout.vkey(keys[i], groups[i])
+                calls.append(("touch", g, [*self.layout.index[g], vkey], [keys[i], 0]))
+            for i, x in zip(pos, self._scripts(client, calls), strict=True):
                 found[i] = bool(x)
         return found
 
+    def _pin(self, key: str, on: bool) -> bool:
+        g = self.layout.group(key)
+        keys = [*self.layout.index[g], self.layout.vkey(key, g)]
+        budget = self.group_budget
+        pmax = self.pin_max_bytes
+        pmax = -1 if pmax is None else pmax // self.groups
+        args = [key, int(on), pmax, -1 if budget is None else budget]
+        status, n = self._script("pin", g, args, keys)
+        if status == -1:
+            log.warning(
+                "%s cache: not pinning %r: pins hold %d bytes of pin_max_bytes=%s",
+                self.scheme, key, int(n), self.pin_max_bytes,
+            )  # fmt: skip
+            return False
+        if status == 1 and not on and n:
+            self._counters.add("evictions", int(n))
+        return status == 1
+
     def _keys(self, prefix: str) -> Iterator[str]:
         """User keys starting with ``prefix`` (SCAN of every primary, never KEYS)."""
+        if self._ttl_ms or self._idle_ms:
+            self._each_group("stats", lambda g: [])  # drops expired keys first
         pattern = self.layout.value_pattern(prefix)
         seen: set[bytes] = set()
         for client in self.router.clients():
@@ -453,11 +494,13 @@ class RedisBackend(BackendBase):
         """Entries and bytes from the shared index (hits/misses/...: this process's)."""
         found = self._each_group("stats", lambda g: [])
         out: dict[str, Any] = {
-            "entries": sum(int(e) for e, _ in found),
-            "bytes": sum(int(b) for _, b in found),
+            "entries": sum(int(f[0]) for f in found),
+            "bytes": sum(int(f[1]) for f in found),
+            "pinned_entries": sum(int(f[2]) for f in found),
+            "pinned_bytes": sum(int(f[3]) for f in found),
         }
         nodes: dict[str, dict[str, int]] = {}
-        for g, (e, b) in enumerate(found):
+        for g, (e, b, *_) in enumerate(found):
             name = self.router.node_name(self.layout.slots[g])
             if name is not None:  # a cluster: how the groups and bytes spread over primaries
                 n = nodes.setdefault(name, {"groups": 0, "entries": 0, "bytes": 0})
@@ -474,6 +517,8 @@ class RedisBackend(BackendBase):
             "prefix": self.prefix,
             "groups": self.groups,
             "ttl": self.ttl,
+            "idle_ttl": self.idle_ttl,
+            "pin_max_bytes": self.pin_max_bytes,
             "chunk_size": self.chunk_size,
         }
 
@@ -510,6 +555,8 @@ def redis_options(
     out: dict[str, Any] = {
         "prefix": opts.str("prefix", "mlxcache:"),
         "ttl": opts.float("ttl", None, minimum=0.001),
+        "idle_ttl": opts.float("idle_ttl", None, minimum=0.001),
+        "pin_max_bytes": opts.size("pin_max_bytes", None),
         "timeout": opts.float("timeout", DEFAULT_TIMEOUT, minimum=0.001),
         "max_bytes": opts.size("max_bytes", None),
         "chunk_size": opts.size("chunk_size", DEFAULT_CHUNK_SIZE),
@@ -528,7 +575,8 @@ def redis_options(
 def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
     """``redis://[user:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=0``.
 
-    Options: prefix, ttl (s), timeout (s), max_bytes, chunk_size, backoff (s), max_backoff (s),
+    Options: prefix, ttl (s), idle_ttl (s), pin_max_bytes, timeout (s), max_bytes, chunk_size,
+    backoff (s), max_backoff (s),
     groups (default 1), secret_env, and for redis-py: db, username, password, max_connections,
     ssl_cert_reqs, ssl_ca_certs, ssl_certfile, ssl_keyfile.
     """

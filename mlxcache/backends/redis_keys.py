@@ -11,6 +11,8 @@ spread evenly over the slot space (and so over the primaries of a cluster)::
     {prefix}{{tag}}i:lru            ZSET  key -> logical access clock (least recent first)
     {prefix}{{tag}}i:size           HASH  key -> stored bytes
     {prefix}{{tag}}i:exp            ZSET  key -> expiry time in server ms (only with ttl)
+    {prefix}{{tag}}i:atime          ZSET  key -> last use in server ms (for idle_ttl)
+    {prefix}{{tag}}i:pins           HASH  pinned key -> bytes (pinned keys leave lru/exp/atime)
     {prefix}{{tag}}i:chunks         HASH  key -> "gen:n" for chunked records
     {prefix}{{tag}}i:total          bytes of all indexed records of the group
     {prefix}{{tag}}i:clock          counter that orders accesses in the group
@@ -26,7 +28,7 @@ import xxhash
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
 MAX_GROUPS = 256
-INDEX_NAMES = ("lru", "size", "exp", "chunks", "total", "clock")
+INDEX_NAMES = ("lru", "size", "exp", "chunks", "total", "clock", "atime", "pins")
 
 
 def glob_escape(text: str) -> str:

@@ -1,16 +1,22 @@
 """Lua scripts of the Redis backend: the shared LRU index, updated atomically with each write.
 
 ``commit`` points a key at its value and evicts least recently used keys until the total fits
-the budget; ``touch`` refreshes access order; ``drop`` forgets a key; ``stats`` reads the
-totals; ``evict`` trims the store to a budget. The key layout is described in
-:mod:`mlxcache.backends.redis`.
+the budget; ``touch`` checks a key's lifetime and refreshes its access order; ``drop`` forgets a
+key; ``stats`` reads the totals; ``evict`` trims the store to a budget; ``pin`` moves a key out
+of (or back into) the LRU. The key layout is described in :mod:`mlxcache.backends.redis_keys`.
+
+Every script gets ``ARGV[1..4]`` = key prefix, clock offset (ms), ttl (ms), idle_ttl (ms; 0 =
+none) and its own arguments from ``ARGV[5]``. Time is the server's ``TIME`` plus the offset
+(0 unless a test moved :mod:`mlxcache.backends.clock`), so every client agrees on it.
 """
 
 import hashlib
 
 _LUA_COMMON = """
 local P = ARGV[1]
+local OFFSET, TTL, IDLE = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local LRU, SIZE, EXP, CHUNKS, TOTAL, CLOCK = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local ATIME, PINS = KEYS[7], KEYS[8]
 
 -- index values are data anyone with access could have written: numbers are read strictly
 -- (a malformed one counts as 0) and a chunk list is bounded, so no value can make a script
@@ -20,10 +26,26 @@ local function int_or_0(v)
   return 0
 end
 
+local function chunk_names(info)
+  local gen, n = string.match(info or '', '^([0-9a-f]+):(%d+)$')
+  if not gen or #n > 6 or tonumber(n) > 65536 then return {} end
+  local out = {}
+  for i = 0, tonumber(n) - 1 do out[#out + 1] = P .. 'c:' .. gen .. ':' .. i end
+  return out
+end
+
 local function unlink_chunks(info)
-  local gen, n = string.match(info, '^([0-9a-f]+):(%d+)$')
-  if not gen or #n > 6 or tonumber(n) > 65536 then return end
-  for i = 0, tonumber(n) - 1 do redis.call('UNLINK', P .. 'c:' .. gen .. ':' .. i) end
+  for _, c in ipairs(chunk_names(info)) do redis.call('UNLINK', c) end
+end
+
+-- a value and its chunks expire after px ms of real time (0: never); the index decides
+-- expiry on the (offset) clock, this only frees memory of values nobody reads again
+local function expire_value(member, px)
+  local names = chunk_names(redis.call('HGET', CHUNKS, member))
+  names[#names + 1] = P .. 'v:' .. member
+  for _, k in ipairs(names) do
+    if px > 0 then redis.call('PEXPIRE', k, px) else redis.call('PERSIST', k) end
+  end
 end
 
 local function total()
@@ -43,10 +65,13 @@ end
 local function drop(member)
   total()
   local size = int_or_0(redis.call('HGET', SIZE, member))
-  if size ~= 0 then redis.call('DECRBY', TOTAL, size) end
+  if redis.call('HDEL', PINS, member) == 0 and size ~= 0 then
+    redis.call('DECRBY', TOTAL, size)  -- pinned bytes are not in TOTAL
+  end
   redis.call('HDEL', SIZE, member)
   redis.call('ZREM', LRU, member)
   redis.call('ZREM', EXP, member)
+  redis.call('ZREM', ATIME, member)
   local info = redis.call('HGET', CHUNKS, member)
   if info then
     unlink_chunks(info)
@@ -57,109 +82,197 @@ end
 
 local function now_ms()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + OFFSET
 end
 
--- drop index entries of keys whose TTL has passed (Redis expired the values themselves)
+-- real-time expiry of a value stored or read now: the sooner of ttl and idle_ttl
+local function backstop(now, deadline)
+  local px = IDLE
+  if deadline then
+    local left = math.max(1, deadline - now)
+    if px == 0 or left < px then px = left end
+  end
+  return px
+end
+
+-- drop keys whose ttl passed, or unused for idle_ttl (pinned keys are in neither set)
 local function sweep(now)
   while true do
     local gone = redis.call('ZRANGEBYSCORE', EXP, '-inf', now, 'LIMIT', 0, 512)
     for _, m in ipairs(gone) do drop(m) end
-    if #gone < 512 then return end
+    if #gone < 512 then break end
   end
+  if IDLE > 0 then
+    while true do
+      local gone = redis.call('ZRANGEBYSCORE', ATIME, '-inf', now - IDLE, 'LIMIT', 0, 512)
+      for _, m in ipairs(gone) do drop(m) end
+      if #gone < 512 then break end
+    end
+  end
+end
+
+local function evict_to(maxb, keep)
+  local evicted = 0
+  if maxb >= 0 then
+    while total() > maxb do
+      local lru = redis.call('ZRANGE', LRU, 0, 1)
+      local victim = lru[1]
+      if victim == keep then victim = lru[2] end
+      if not victim then break end
+      evicted = evicted + drop(victim)
+    end
+  end
+  if total() < 0 then redis.call('SET', TOTAL, 0) end
+  return evicted
 end
 """
 
-# KEYS: 6 index keys, value key, [chunk keys]
-# ARGV: prefix, member, size, ttl_ms (0 = none), max_bytes (-1 = none), "gen:n" or "",
-#       manifest or "" (then the value was SET by the same MULTI, just before this script)
+# KEYS: 8 index keys, value key, [chunk keys]
+# ARGV[5..]: member, size, max_bytes (-1 = none), "gen:n" or "", manifest or "" (then the
+#            value was SET by the same MULTI, just before this script)
 _COMMIT = (
     _LUA_COMMON
     + """
-local member, size, ttl, maxb = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-local info, manifest = ARGV[6], ARGV[7]
+local member, size, maxb = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7])
+local info, manifest = ARGV[8], ARGV[9]
 local now = now_ms()
 sweep(now)
+local deadline = nil
+if TTL > 0 then deadline = now + TTL end
+local px = backstop(now, deadline)
+local pinned = redis.call('HEXISTS', PINS, member) == 1
+if pinned then px = 0 end
 if manifest ~= '' then
-  for i = 8, #KEYS do
+  for i = 10, #KEYS do
     if redis.call('EXISTS', KEYS[i]) == 0 then return {-1, 0} end
   end
-  for i = 8, #KEYS do
-    if ttl > 0 then redis.call('PEXPIRE', KEYS[i], ttl) else redis.call('PERSIST', KEYS[i]) end
+  for i = 10, #KEYS do
+    if px > 0 then redis.call('PEXPIRE', KEYS[i], px) else redis.call('PERSIST', KEYS[i]) end
   end
-  if ttl > 0 then
-    redis.call('SET', KEYS[7], manifest, 'PX', ttl)
+  if px > 0 then
+    redis.call('SET', KEYS[9], manifest, 'PX', px)
   else
-    redis.call('SET', KEYS[7], manifest)
+    redis.call('SET', KEYS[9], manifest)
   end
+elseif px == 0 then
+  redis.call('PERSIST', KEYS[9])
 end
 local old = redis.call('HGET', CHUNKS, member)
 if old and old ~= info then unlink_chunks(old) end
+if info ~= '' then redis.call('HSET', CHUNKS, member, info)
+else redis.call('HDEL', CHUNKS, member) end
 total()
+if pinned then  -- a pinned key stays pinned: its bytes count against the pin budget
+  redis.call('HSET', SIZE, member, size)
+  redis.call('HSET', PINS, member, size)
+  return {1, 0}
+end
 local old_size = int_or_0(redis.call('HGET', SIZE, member))
 if old_size ~= 0 then redis.call('DECRBY', TOTAL, old_size) end
 redis.call('HSET', SIZE, member, size)
 redis.call('INCRBY', TOTAL, size)
 redis.call('ZADD', LRU, tick(), member)
-if info ~= '' then redis.call('HSET', CHUNKS, member, info)
-else redis.call('HDEL', CHUNKS, member) end
-if ttl > 0 then redis.call('ZADD', EXP, now + ttl, member) else redis.call('ZREM', EXP, member) end
-local evicted = 0
-if maxb >= 0 then
-  while total() > maxb do
-    local lru = redis.call('ZRANGE', LRU, 0, 1)
-    local victim = lru[1]
-    if victim == member then victim = lru[2] end
-    if not victim then break end
-    evicted = evicted + drop(victim)
-  end
-end
-if total() < 0 then redis.call('SET', TOTAL, 0) end
-return {1, evicted}
+redis.call('ZADD', ATIME, now, member)
+if deadline then redis.call('ZADD', EXP, deadline, member) else redis.call('ZREM', EXP, member) end
+return {1, evict_to(maxb, member)}
 """
 )
 
-# KEYS: 6 index keys, value key. ARGV: prefix, member. Refresh LRU, or clean a vanished key.
+# KEYS: 8 index keys, value key. ARGV[5..]: member, refresh (1: a read, 0: a contains check).
+# -> 1 if the key is live; an expired or vanished key is dropped (0).
 _TOUCH = (
     _LUA_COMMON
     + """
-if redis.call('EXISTS', KEYS[7]) == 1 then
-  if redis.call('ZSCORE', LRU, ARGV[2]) then
-    redis.call('ZADD', LRU, tick(), ARGV[2])
+local m = ARGV[5]
+if redis.call('EXISTS', KEYS[9]) == 1 then
+  if redis.call('HEXISTS', PINS, m) == 1 then return 1 end
+  local now = now_ms()
+  local dl, at = redis.call('ZSCORE', EXP, m), redis.call('ZSCORE', ATIME, m)
+  if dl then dl = tonumber(dl) end
+  if (dl and dl <= now) or (IDLE > 0 and at and tonumber(at) <= now - IDLE) then
+    drop(m)
+    return 0
+  end
+  if ARGV[6] == '1' and redis.call('ZSCORE', LRU, m) then
+    redis.call('ZADD', LRU, tick(), m)
+    redis.call('ZADD', ATIME, now, m)
+    if IDLE > 0 then expire_value(m, backstop(now, dl)) end
   end
   return 1
 end
-if redis.call('HEXISTS', SIZE, ARGV[2]) == 1 then drop(ARGV[2]) end
+if redis.call('HEXISTS', SIZE, m) == 1 then drop(m) end
 return 0
 """
 )
 
-# KEYS: 6 index keys. ARGV: prefix, member.
-_DROP = _LUA_COMMON + "return drop(ARGV[2])\n"
+# KEYS: 8 index keys. ARGV[5]: member.
+_DROP = _LUA_COMMON + "return drop(ARGV[5])\n"
 
-# KEYS: 6 index keys. ARGV: prefix. -> {entries, bytes}
+# KEYS: 8 index keys. -> {entries, bytes, pinned entries, pinned bytes}
 _STATS = (
     _LUA_COMMON
     + """
 sweep(now_ms())
-return {redis.call('ZCARD', LRU), total()}
+local pinned = 0
+for _, v in ipairs(redis.call('HVALS', PINS)) do pinned = pinned + int_or_0(v) end
+local n = redis.call('HLEN', PINS)
+return {redis.call('ZCARD', LRU) + n, total() + pinned, n, pinned}
 """
 )
 
-# KEYS: 6 index keys. ARGV: prefix, max_bytes. Evict least recently used keys until the total
+# KEYS: 8 index keys. ARGV[5]: max_bytes. Evict least recently used keys until the total
 # fits (what opening with a smaller budget does: ``mlxcache gc``). -> number evicted
 _EVICT = (
     _LUA_COMMON
     + """
 sweep(now_ms())
-local maxb, evicted = tonumber(ARGV[2]), 0
-while total() > maxb do
-  local victim = redis.call('ZRANGE', LRU, 0, 0)[1]
-  if not victim then break end
-  evicted = evicted + drop(victim)
+return evict_to(tonumber(ARGV[5]), nil)
+"""
+)
+
+# KEYS: 8 index keys, value key. ARGV[5..]: member, 1 (pin) or 0 (unpin), pin_max_bytes and
+# max_bytes (-1 = none). -> {1 done, 0 not stored / not pinned, -1 over pin_max_bytes; evicted
+# by an unpin, or the bytes pins hold when refused}
+_PIN = (
+    _LUA_COMMON
+    + """
+local m, on, pmax, maxb = ARGV[5], ARGV[6] == '1', tonumber(ARGV[7]), tonumber(ARGV[8])
+local now = now_ms()
+sweep(now)
+if redis.call('EXISTS', KEYS[9]) == 0 then
+  if redis.call('HEXISTS', SIZE, m) == 1 then drop(m) end
+  return {0, 0}
 end
-if total() < 0 then redis.call('SET', TOTAL, 0) end
-return evicted
+local pinned = redis.call('HEXISTS', PINS, m) == 1
+local size = int_or_0(redis.call('HGET', SIZE, m))
+total()
+if on then
+  if pinned then return {1, 0} end
+  if pmax >= 0 then
+    local held = 0
+    for _, v in ipairs(redis.call('HVALS', PINS)) do held = held + int_or_0(v) end
+    if held + size > pmax then return {-1, held} end
+  end
+  redis.call('DECRBY', TOTAL, size)
+  redis.call('ZREM', LRU, m)
+  redis.call('ZREM', EXP, m)
+  redis.call('ZREM', ATIME, m)
+  redis.call('HSET', PINS, m, size)
+  expire_value(m, 0)
+  return {1, 0}
+end
+if not pinned then return {0, 0} end
+redis.call('HDEL', PINS, m)
+redis.call('INCRBY', TOTAL, size)
+redis.call('ZADD', LRU, tick(), m)
+redis.call('ZADD', ATIME, now, m)
+local deadline = nil
+if TTL > 0 then
+  deadline = now + TTL
+  redis.call('ZADD', EXP, deadline, m)
+end
+expire_value(m, backstop(now, deadline))
+return {1, evict_to(maxb, m)}
 """
 )
 
@@ -169,5 +282,6 @@ SCRIPTS = {
     "drop": _DROP,
     "stats": _STATS,
     "evict": _EVICT,
+    "pin": _PIN,
 }
 SHAS = {name: hashlib.sha1(body.encode()).hexdigest() for name, body in SCRIPTS.items()}
