@@ -482,9 +482,11 @@ class DiskBackend(BackendBase):
 
     def _touch_many(self, keys: list[str]) -> None:
         now = clock.now()
+        live, params = self._live()  # an expired entry stays expired
         with self._transaction() as db:
             db.executemany(
-                "UPDATE entries SET access_time = ? WHERE key = ?", [(now, k) for k in keys]
+                f"UPDATE entries SET access_time = ? WHERE key = ? AND {live}",
+                [(now, k, *params) for k in keys],
             )
 
     def _header(self, key: str) -> st.Header | None:

@@ -99,6 +99,15 @@ class TieredBackend(BackendBase):
         self._writing = threading.Lock()  # held while a queued write lands in L2
         self._touched: dict[str, None] = {}  # L1 hits not yet passed on to L2's LRU
         self._tier_hits = {"l1_hits": 0, "l2_hits": 0, "queue_hits": 0}
+        self.pinnable = bool(getattr(self.l2, "pinnable", False))  # L2 is the store of record
+
+    def _pin(self, key: str, on: bool) -> bool:
+        """Pin in L2 (after queued writes land); in L1 too where it holds the key."""
+        self._settle()
+        done = self.l2.pin(key) if on else self.l2.unpin(key)
+        if getattr(self.l1, "pinnable", False):
+            self.l1.pin(key) if on else self.l1.unpin(key)
+        return done
 
     def where(self) -> str:
         return f"{_where(self.l1)} over {_where(self.l2)}"
@@ -285,6 +294,7 @@ class TieredBackend(BackendBase):
         return {
             "entries": s2.get("entries", 0) + extra,
             "bytes": s2.get("bytes", 0),
+            **{k: s2[k] for k in ("pinned_entries", "pinned_bytes") if k in s2},
             **tier_hits,
             "l1": s1,
             "l2": s2,
