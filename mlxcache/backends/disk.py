@@ -348,7 +348,7 @@ class DiskBackend(BackendBase):
                 return False
             size, pinned = row
             if bool(pinned) == on:
-                return True
+                return on  # pinned already: True; unpinning what was not pinned: False
             if on and self.pin_max_bytes is not None:
                 held = self._pinned(db)[1]
                 if held + size > self.pin_max_bytes:
@@ -358,8 +358,8 @@ class DiskBackend(BackendBase):
                     )  # fmt: skip
                     return False
             db.execute(
-                "UPDATE entries SET pinned = ?, access_time = ? WHERE key = ?",
-                (int(on), clock.now(), key),
+                "UPDATE entries SET pinned = ?, access_time = ?, store_time = ? WHERE key = ?",
+                (int(on), now := clock.now(), now, key),  # lifetimes restart at an unpin
             )
             evicted = [] if on or self.max_bytes is None else self._evict(db, self.max_bytes)
         self._remove_files(evicted)

@@ -183,7 +183,7 @@ class MemoryBackend(BackendBase):
             else:
                 del self._pins[key]
                 self._pin_bytes -= e.size
-                e.used = clock.now()
+                e.used = e.born = clock.now()  # lifetimes restart at an unpin
                 self._data[key] = e
                 self._bytes += e.size
                 self._counters.add("evictions", self._evict(self.max_bytes, self.max_entries))
