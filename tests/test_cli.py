@@ -140,11 +140,16 @@ def test_console_script_is_declared():
 
 def test_demo_subcommand_runs_cold_then_warm_in_a_new_process(capsys, tmp_path):
     uri = f"file://{tmp_path / 'demo'}"
-    code, out, _ = run(capsys, "demo", "--cache", uri, "--prompt-tokens", "96", "--max-tokens", "2")
+    code, out, err = run(
+        capsys, "demo", "--cache", uri, "--prompt-tokens", "96", "--max-tokens", "2"
+    )
     assert code == 0
     assert "same again" in out and "matches cold" in out and "matches uncached" in out
+    assert "mlxcache demo [1/3]: building the tiny Qwen2-VL" in err  # phases, as plain lines
+    assert "mlxcache demo [3/3]: a new process" in err
     with mlxcache.open_backend(uri) as b:
         assert len(b) == 0  # the demo removes its own entries
+    assert list((tmp_path / "demo" / "data").iterdir()) == []  # no empty shard folders left
 
 
 def test_demo_lm_serves_warm_after_a_restart(capsys, tmp_path):

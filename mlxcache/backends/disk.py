@@ -338,10 +338,18 @@ class DiskBackend(BackendBase):
         return files
 
     def _remove_files(self, files: Iterable[str | None]) -> None:
-        """Delete files the index no longer names (after the commit that dropped them)."""
+        """Delete files the index no longer names (after the commit that dropped them), and
+        their shard folder once it is empty (a put recreates it, see ``_put``)."""
+        shards = set()
         for file in files:
             if file:
                 unlink(self._data / file)
+                shards.add(file.partition("/")[0])
+        for shard in shards:
+            try:
+                os.rmdir(self._data / shard)
+            except OSError:
+                pass  # not empty, the usual case
 
     def _trim(self, max_bytes: int) -> int:
         self._writable()
@@ -537,10 +545,16 @@ class DiskBackend(BackendBase):
         final = self._data / name
         try:
             write_file(str(tmp), head, views, self._file_mode)
-            if not final.parent.is_dir():
-                ensure_dir(final.parent, self._dir_mode)
-                fsync_dir(self._data)
-            os.replace(tmp, final)
+            for attempt in (1, 2):  # clear() may remove an empty shard folder meanwhile
+                if not final.parent.is_dir():
+                    ensure_dir(final.parent, self._dir_mode)
+                    fsync_dir(self._data)
+                try:
+                    os.replace(tmp, final)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2 or not tmp.exists():
+                        raise
             fsync_dir(final.parent)
             now = time.time()
             with self._transaction() as db:
