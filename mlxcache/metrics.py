@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -36,6 +36,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from mlxcache.backends.counters import BUCKETS
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _BACKEND_COUNTERS = ("hits", "misses", "evictions", "errors", "rejected", "bytes_read",
                      "bytes_written")  # fmt: skip
