@@ -17,7 +17,7 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "scale")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed", "scale")
 DEFAULT_OUT = "benchmarks/results/latest.json"
 
 
@@ -111,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import lm_server
 
                 rows += lm_server.run(ctx)
+            elif section == "signed":
+                from benchmarks import signed
+
+                rows += signed.run(sizes[-1:], ctx)
             elif section == "scale":
                 from benchmarks import scale
 

@@ -451,21 +451,10 @@ class PrefixCache:
         The same ``contains_many`` as ``lookup`` and nothing else: a caller that already has a
         prefix of some length (an in-process tier) calls ``lookup`` only when this is longer.
         """
-        tokens = _tokens(token_ids)
-        plan = self._plan(tokens, list(images), image_positions)
-        n_full, r = divmod(len(tokens), self.block_size)
-        full = plan.full(n_full)
-        trail = [plan.partial(n_full, m) for m in range(1, r + 1)]
-        keys = [self._key("b", h) for h in full] + [self._key("t", p) for p in trail]
-        found = self.backend.contains_many(keys) if keys else []
-        k = next((i for i, f in enumerate(found[:n_full]) if not f), n_full)
-        if k == n_full:
-            part = [m for m, f in zip(range(1, r + 1), found[n_full:], strict=True) if f]
-        else:
-            cands = [plan.partial(k, m) for m in range(1, self.block_size)]
-            there = self.backend.contains_many([self._key("t", p) for p in cands])
-            part = [m for m, f in zip(range(1, self.block_size), there, strict=True) if f]
-        return k * self.block_size + (part[-1] if part else 0)
+        plan = self._plan(_tokens(token_ids), list(images), image_positions)
+        keys = self._probe_keys(plan)
+        match = self._match(plan, self.backend.contains_many(keys) if keys else [])
+        return match.k * self.block_size + match.pm  # a hit never ends past this
 
     # ------------------------------------------------------------ the rest
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from mlxcache.backends.base import CacheBackend
-from mlxcache.options import Options
+from mlxcache.options import Options, redact_uri
 
 log = logging.getLogger("mlxcache")
 
@@ -108,7 +108,7 @@ def open_backend(uri: str | None = None, **options: object) -> CacheBackend:
     factory = _factory(scheme) if "://" in uri else None
     if factory is None:
         raise ValueError(
-            f"unknown cache URI {uri!r}: the scheme must be one of "
+            f"unknown cache URI {redact_uri(uri)!r}: the scheme must be one of "
             + ", ".join(f"{s}://" for s in schemes())
         )
     values: dict[str, object] = dict(parse_qsl(url.query, keep_blank_values=True))

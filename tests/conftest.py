@@ -31,6 +31,31 @@ def redis_url(redis_server):
     return redis_server.url
 
 
+# ---------------------------------------------------------------- fuzzing (hypothesis)
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fuzz-long",
+        action="store_true",
+        help="run the hypothesis fuzz tests with 50x more examples, randomized (minutes)",
+    )
+
+
+def pytest_configure(config):
+    from hypothesis import HealthCheck, settings
+
+    quiet = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large]
+    # the normal suite: a few seconds, the same examples every run (no flaky CI)
+    settings.register_profile(
+        "fuzz", max_examples=40, deadline=None, derandomize=True, suppress_health_check=quiet
+    )
+    settings.register_profile(
+        "fuzz-long", max_examples=2000, deadline=None, suppress_health_check=quiet
+    )
+    settings.load_profile("fuzz-long" if config.getoption("--fuzz-long") else "fuzz")
+
+
 # ---------------------------------------------------------------- Redis Cluster and Sentinel
 
 

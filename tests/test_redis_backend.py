@@ -357,7 +357,9 @@ def test_newer_format_version_is_a_miss_and_kept(redis_url, caplog):
     b = mlxcache.open_backend(redis_url)
     r = raw(redis_url)
     blob = st.to_bytes(blob_record(10))
-    r.set("mlxcache:{0}v:future", blob.replace(b'"format_version":"1"', b'"format_version":"9"'))
+    from record_bytes import with_version
+
+    r.set("mlxcache:{0}v:future", with_version(blob, 9))
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         assert b.get("future") is None
     assert "version 9" in caplog.text and r.exists("mlxcache:{0}v:future")
@@ -403,7 +405,7 @@ def test_rediss_uses_ssl_without_connecting():
     kw = b.pool.connection_kwargs
     assert (kw["host"], kw["port"], kw["db"], kw["username"]) == ("127.0.0.1", port, 2, "alice")
     assert kw["password"] == "s3cret" and kw["socket_timeout"] == 5.0
-    assert b.url == f"rediss://alice@127.0.0.1:{port}/2"
+    assert b.url == f"rediss://alice:***@127.0.0.1:{port}/2"
 
 
 def test_timeout_option_reaches_the_pool():
@@ -441,7 +443,7 @@ def test_unreachable_server_at_construction():
     s = b.stats()
     assert time.monotonic() - t0 < 2
     assert s["errors"] >= 1 and s["available"] is False and s["entries"] == 0
-    assert "pw" not in s["url"] and s["url"] == f"redis://user@127.0.0.1:{port}/0"
+    assert "pw" not in s["url"] and s["url"] == f"redis://user:***@127.0.0.1:{port}/0"
     b.close()
 
 

@@ -15,7 +15,7 @@ import re
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult
 
 import redis
 from redis._parsers import Encoder
@@ -25,8 +25,10 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from mlxcache import format as st
+from mlxcache import signing
 from mlxcache.backends.base import BackendBase, log
 from mlxcache.backends.redis_chunks import (
+    MAX_CHUNKS,
     complete_chunks,
     is_manifest,
     make_manifest,
@@ -35,8 +37,8 @@ from mlxcache.backends.redis_chunks import (
 from mlxcache.backends.redis_keys import KeyLayout, glob_escape
 from mlxcache.backends.redis_routes import SingleRouter
 from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
-from mlxcache.errors import FormatError, UnsupportedVersionError
-from mlxcache.options import Options
+from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 __all__ = ["RedisBackend", "from_uri", "glob_escape", "pool_kwargs", "redis_options"]
@@ -83,6 +85,9 @@ class RedisBackend(BackendBase):
     its primaries). Values larger than ``chunk_size`` are split and still committed
     atomically. When Redis is unreachable every call degrades (miss, no-op, empty) and the
     server is skipped for a backoff that grows from ``backoff`` to ``max_backoff`` seconds.
+    With a ``signer`` (default: from ``$MLXCACHE_SECRET``, or the variable ``secret_env``
+    names) every record is signed for its key and a value without a valid MAC is rejected
+    (``stats()["rejected"]``) and deleted.
     """
 
     scheme = "redis"
@@ -99,6 +104,8 @@ class RedisBackend(BackendBase):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         backoff: float = 0.1,
         max_backoff: float = 5.0,
+        signer: signing.Signer | None = None,
+        secret_env: str | None = None,
         groups: int = 1,
         router: Any = None,
         **redis_kwargs: Any,
@@ -113,6 +120,7 @@ class RedisBackend(BackendBase):
             raise ValueError(f"chunk_size must be in 1..{REDIS_MAX_STRING} bytes, got {chunk_size}")
         self.layout = KeyLayout(prefix, groups)
         super().__init__(max_bytes=max_bytes, backoff=backoff, max_backoff=max_backoff)
+        self.signer = signer if signer is not None else signing.resolve(secret_env)
         self.prefix = prefix
         self.groups = groups
         self.ttl = ttl
@@ -233,7 +241,13 @@ class RedisBackend(BackendBase):
     # ------------------------------------------------------------ writing
 
     def _prepare(self, key: str, record: Record) -> tuple[bytes, int]:
-        blob = st.to_bytes(record)  # raises on a bad dtype before anything is sent
+        # raises on a bad dtype before anything is sent
+        blob = st.to_bytes(record, key=key, signer=self.signer)
+        if -(-len(blob) // self.chunk_size) > MAX_CHUNKS:
+            raise ValueError(
+                f"a record of {len(blob)} bytes needs more than {MAX_CHUNKS} chunks of "
+                f"chunk_size={self.chunk_size}: use a larger chunk_size"
+            )
         return blob, len(blob)
 
     def _put(self, key: str, blob: bytes, size: int) -> int:
@@ -368,8 +382,8 @@ class RedisBackend(BackendBase):
             if isinstance(value, FormatError):
                 raise value
             if isinstance(value, list):  # chunks: freed one by one as they are decoded
-                return st.from_buffers(value, consume=True)
-            return st.from_bytes(value)
+                return st.from_buffers(value, consume=True, key=key, signer=self.signer)
+            return st.from_bytes(value, key=key, signer=self.signer)
         except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
             self._rlog.warning("version", "redis cache: skipping %r: %s", key, exc)
             return None
@@ -377,7 +391,11 @@ class RedisBackend(BackendBase):
             self.error("get", f"out of memory decoding {key!r}")
             return None
         except FormatError as exc:
-            self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
+            if isinstance(exc, UntrustedRecordError):
+                self._counters.add("rejected")
+                self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
+            else:
+                self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
             log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
             try:
                 self._script("drop", self.layout.group(key), [key])
@@ -477,16 +495,8 @@ def _unlink(client: redis.Redis, names: list[bytes]) -> None:
 
 
 def _public_url(url: str) -> str:
-    """The URL without its password (user name, host, port, path and db kept)."""
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if parts.port:
-        netloc += f":{parts.port}"
-    if parts.username:
-        netloc = f"{parts.username}@{netloc}"
-    return f"{parts.scheme}://{netloc}{parts.path}"
+    """The URL fit to print: ``user:***@host:port/db``, never the password."""
+    return redact_uri(url)
 
 
 _REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_reqs",
@@ -506,6 +516,7 @@ def redis_options(
         "backoff": opts.float("backoff", 0.1, minimum=0.001),
         "max_backoff": opts.float("max_backoff", 5.0, minimum=0.001),
         "groups": opts.int("groups", groups, minimum=1),
+        "secret_env": opts.str("secret_env", None),
     }
     for name in names:
         value = opts.int(name, None) if name in ("db", "max_connections") else opts.str(name, None)
@@ -518,7 +529,7 @@ def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
     """``redis://[user:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=0``.
 
     Options: prefix, ttl (s), timeout (s), max_bytes, chunk_size, backoff (s), max_backoff (s),
-    groups (default 1), and for redis-py: db, username, password, max_connections,
+    groups (default 1), secret_env, and for redis-py: db, username, password, max_connections,
     ssl_cert_reqs, ssl_ca_certs, ssl_certfile, ssl_keyfile.
     """
     scheme = url.scheme.lower()
