@@ -7,18 +7,18 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from mlxcache.cli import CLIError, _check_reachable, _errors, _open, _print_json
+from mlxcache.cli_common import CLIError, check_reachable, errors, open_store, print_json
 
 
 def cmd_pin(args: argparse.Namespace) -> None:
     """Pin (or unpin) keys; exit 1 naming the keys that were not changed."""
-    with _open(args.uri) as backend:
+    with open_store(args.uri) as backend:
         if not getattr(backend, "pinnable", False):
             raise CLIError(f"{type(backend).__name__} cannot pin entries")
-        before = _errors(backend)
+        before = errors(backend)
         op = backend.pin if args.pin else backend.unpin
         failed = [key for key in args.keys if not op(key)]
-        _check_reachable(backend, before, args.uri)
+        check_reachable(backend, before, args.uri)
     if failed:
         why = "not stored, or pin_max_bytes is full" if args.pin else "not pinned"
         raise CLIError(f"{len(failed)} key(s) {why}: {', '.join(failed)}")
@@ -33,11 +33,11 @@ def cmd_warm(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     if args.block_size < 1:
         raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
-    _open(args.uri).close()  # a bad URI or an unusable folder: one error line
+    open_store(args.uri).close()  # a bad URI or an unusable folder: one error line
     lines = None if args.json else sys.stdout
     report = warm(args.uri, prompts, block_size=args.block_size, stream=sys.stderr, lines=lines)
     if args.json:
-        _print_json(report)
+        print_json(report)
     failed = [r for r in report["prompts"] if r["error"]]
     if failed:
         first = failed[0]

@@ -18,6 +18,7 @@ writer (temp files, files renamed but never published) can be told from a live w
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -47,6 +48,7 @@ from mlxcache.backends.disk_files import (
     unlink,
     write_file,
 )
+from mlxcache.backends.fleet import FLEET
 from mlxcache.errors import FormatError, UntrustedRecordError
 from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
@@ -114,11 +116,13 @@ class DiskBackend(BackendBase):
         signer: signing.Signer | None = None,
         secret_env: str | None = None,
         shared_group: bool = False,
+        readonly: bool = False,
         ttl: float | None = None,
         idle_ttl: float | None = None,
         pin_max_bytes: int | None = None,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
+        self.readonly = bool(readonly)
         self.ttl = check_lifetime("ttl", ttl)
         self.idle_ttl = check_lifetime("idle_ttl", idle_ttl)
         pin_max = check_budget("pin_max_bytes", pin_max_bytes)
@@ -134,6 +138,10 @@ class DiskBackend(BackendBase):
         self._index = self.root / "index.sqlite"
         self._conns_lock = threading.Lock()
         self._reset_connections()
+        self._pinned_col = "pinned"  # "0" for a read-only index made before pins
+        if self.readonly:
+            self._open_readonly()
+            return
         try:
             if not self.root.is_dir():
                 ensure_dir(self.root, self._dir_mode)  # a folder we create is private
@@ -159,6 +167,25 @@ class DiskBackend(BackendBase):
     def where(self) -> str:
         return str(self.root)
 
+    def _open_readonly(self) -> None:
+        """Open an existing cache for reading only: nothing is created, swept or evicted."""
+        if not self._index.is_file():
+            what = "no such folder" if not self.root.exists() else "no index.sqlite in it"
+            raise FileNotFoundError(
+                errno.ENOENT, f"file cache: no cache at {self.root} ({what})", str(self.root)
+            )
+        try:
+            self._settings()
+            if "pinned" not in {r[1] for r in self._db().execute("PRAGMA table_info(entries)")}:
+                self._pinned_col = "0"
+        except sqlite3.Error as exc:
+            self.close()
+            raise OSError(f"file cache: cannot read the index of {self.root}: {exc}") from exc
+
+    def _writable(self) -> None:
+        if self.readonly:
+            raise PermissionError(f"{self.root} is opened read-only")
+
     # ------------------------------------------------------------ connections
 
     def _reset_connections(self) -> None:
@@ -171,7 +198,9 @@ class DiskBackend(BackendBase):
         if self._pid != os.getpid():
             self._reset_connections()  # the parent's connections are left alone, not closed
         conn = getattr(self._local, "conn", None)
-        if conn is None:
+        if conn is None and self.readonly:
+            conn = self._connect_readonly()
+        elif conn is None:
             conn = sqlite3.connect(
                 self._index, timeout=self.timeout, isolation_level=None, check_same_thread=False
             )
@@ -180,6 +209,23 @@ class DiskBackend(BackendBase):
             with self._conns_lock:
                 self._conns.append(conn)
         return conn
+
+    def _connect_readonly(self) -> sqlite3.Connection:
+        """``mode=ro``; in a folder we cannot write (no -shm to create), ``immutable=1``."""
+        uri = self._index.absolute().as_uri()
+        for flags in ("mode=ro", "mode=ro&immutable=1"):
+            conn = sqlite3.connect(
+                f"{uri}?{flags}", uri=True, timeout=self.timeout, isolation_level=None,
+                check_same_thread=False,
+            )  # fmt: skip
+            try:
+                conn.execute("SELECT count(*) FROM settings").fetchone()
+                return conn
+            except sqlite3.OperationalError:
+                conn.close()
+                if flags.endswith("immutable=1"):
+                    raise
+        raise AssertionError("unreachable")
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -314,7 +360,7 @@ class DiskBackend(BackendBase):
         now = clock.now()
         born = -1.0 if self.ttl is None else now - self.ttl
         used = -1.0 if self.idle_ttl is None else now - self.idle_ttl
-        return "(pinned = 1 OR (store_time > ? AND access_time > ?))", (born, used)
+        return f"({self._pinned_col} = 1 OR (store_time > ? AND access_time > ?))", (born, used)
 
     def _expire(self, db: sqlite3.Connection) -> list[str]:
         """Unindex expired rows (inside a transaction); returns their files to remove."""
@@ -334,11 +380,12 @@ class DiskBackend(BackendBase):
     def _pinned(self, db: sqlite3.Connection) -> tuple[int, int]:
         """(entries, bytes) of pinned rows."""
         n, size = db.execute(
-            "SELECT COUNT(*), TOTAL(size) FROM entries WHERE pinned = 1"
+            f"SELECT COUNT(*), TOTAL(size) FROM entries WHERE {self._pinned_col} = 1"
         ).fetchone()
         return int(n), int(size)
 
     def _pin(self, key: str, on: bool) -> bool:
+        self._writable()
         live, params = self._live()
         with self._transaction() as db:
             row = db.execute(
@@ -367,12 +414,21 @@ class DiskBackend(BackendBase):
         return True
 
     def _remove_files(self, files: Iterable[str | None]) -> None:
-        """Delete files the index no longer names (after the commit that dropped them)."""
+        """Delete files the index no longer names (after the commit that dropped them), and
+        their shard folder once it is empty (a put recreates it, see ``_put``)."""
+        shards = set()
         for file in files:
             if file:
                 unlink(self._data / file)
+                shards.add(file.partition("/")[0])
+        for shard in shards:
+            try:
+                os.rmdir(self._data / shard)
+            except OSError:
+                pass  # not empty, the usual case
 
     def _trim(self, max_bytes: int) -> int:
+        self._writable()
         lifetimes = self.ttl is not None or self.idle_ttl is not None
         if self._settings()["size"] <= max_bytes and not lifetimes:
             return 0
@@ -392,6 +448,9 @@ class DiskBackend(BackendBase):
             self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
         else:
             self.error("get", f"unreadable entry {key!r}: {exc}", logged=True)
+        if self.readonly:  # reported, left where it is
+            log.warning("file cache: unreadable entry %r (read-only, kept): %s", key, exc)
+            return
         try:
             with self._transaction() as db:
                 db.execute("DELETE FROM entries WHERE key = ? AND file = ?", (key, file))
@@ -468,7 +527,7 @@ class DiskBackend(BackendBase):
 
     def _touch(self, pairs: list[tuple[str, str]]) -> None:
         """Mark entries as just used (LRU); a failure here costs ordering, not the hit."""
-        if not pairs:
+        if not pairs or self.readonly:
             return
         now = clock.now()
         try:
@@ -481,6 +540,8 @@ class DiskBackend(BackendBase):
             self.error("touch", exc)
 
     def _touch_many(self, keys: list[str]) -> None:
+        if self.readonly:
+            return
         now = clock.now()
         live, params = self._live()  # an expired entry stays expired
         with self._transaction() as db:
@@ -543,6 +604,21 @@ class DiskBackend(BackendBase):
     def _count(self) -> int:
         return self._stats()["entries"]
 
+    def _fleet_add(self, deltas: dict[str, int]) -> None:
+        """Fleet counters are ``fleet.<name>`` rows of the settings table, summed in SQL."""
+        self._writable()
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE "
+                "SET value = CASE WHEN typeof(value) = 'integer' THEN value ELSE 0 END "
+                "+ excluded.value",
+                [(f"fleet.{k}", int(v)) for k, v in deltas.items()],
+            )
+
+    def _fleet_read(self) -> dict[str, int]:
+        settings = self._settings()
+        return {k: settings.get(f"fleet.{k}", 0) for k in FLEET}
+
     def _stats(self) -> dict[str, Any]:
         settings = self._settings()
         db = self._db()
@@ -572,6 +648,7 @@ class DiskBackend(BackendBase):
         return (head, views), len(head) + sum(v.nbytes for v in views)
 
     def _put(self, key: str, payload: Any, size: int) -> int:
+        self._writable()
         head, views = payload
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
         token = secrets.token_hex(6)
@@ -581,10 +658,16 @@ class DiskBackend(BackendBase):
         final = self._data / name
         try:
             write_file(str(tmp), head, views, self._file_mode)
-            if not final.parent.is_dir():
-                ensure_dir(final.parent, self._dir_mode)
-                fsync_dir(self._data)
-            os.replace(tmp, final)
+            for attempt in (1, 2):  # clear() may remove an empty shard folder meanwhile
+                if not final.parent.is_dir():
+                    ensure_dir(final.parent, self._dir_mode)
+                    fsync_dir(self._data)
+                try:
+                    os.replace(tmp, final)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2 or not tmp.exists():
+                        raise
             fsync_dir(final.parent)
             now = clock.now()
             with self._transaction() as db:
@@ -603,6 +686,7 @@ class DiskBackend(BackendBase):
         return len(evicted)
 
     def _delete(self, key: str) -> bool:
+        self._writable()
         with self._transaction() as db:
             row = db.execute(
                 "SELECT CAST(file AS BLOB) FROM entries WHERE key = ?", (key,)
@@ -615,6 +699,7 @@ class DiskBackend(BackendBase):
         return True
 
     def _clear(self) -> None:
+        self._writable()
         with self._transaction() as db:
             rows = db.execute("SELECT key, CAST(file AS BLOB) FROM entries").fetchall()
             db.execute("DELETE FROM entries")
@@ -662,16 +747,13 @@ def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     timeout = opts.float("timeout", 10.0)
     secret_env = opts.str("secret_env", None)
     shared_group = opts.bool("shared_group", False)
+    readonly = opts.bool("readonly", False)
     lifetimes = lifetime_options(opts)
     opts.done()
     return DiskBackend(
-        root,
-        max_bytes=max_bytes,
-        timeout=timeout,
-        secret_env=secret_env,
-        shared_group=shared_group,
-        **lifetimes,
-    )
+        root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env,
+        shared_group=shared_group, readonly=readonly, **lifetimes,
+    )  # fmt: skip
 
 
 def _add_pin_column(db: sqlite3.Connection) -> None:
