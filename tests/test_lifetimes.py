@@ -203,3 +203,20 @@ def test_lifetime_options_are_checked():
     for bad in ("ttl=0", "idle_ttl=-1", "pin_max_bytes=lots"):
         with pytest.raises(ValueError, match=bad.split("=")[0]):
             mlxcache.open_backend(f"memory://?{bad}")
+
+
+def test_a_file_index_made_before_pins_gets_its_column(tmp_path):
+    import sqlite3
+
+    uri = f"file://{tmp_path}/old"
+    with mlxcache.open_backend(uri) as b:
+        b.put("k", blob_record(1000))
+    db = sqlite3.connect(tmp_path / "old" / "index.sqlite")
+    db.execute("DROP INDEX entries_pinned")
+    db.execute("ALTER TABLE entries DROP COLUMN pinned")  # the layout of an older mlxcache
+    db.commit()
+    db.close()
+    with mlxcache.open_backend(uri, readonly=True) as b:  # read-only: nothing is changed
+        assert b.get("k") is not None and b.stats()["pinned_entries"] == 0
+    with mlxcache.open_backend(uri) as b:
+        assert b.get("k") is not None and b.pin("k") and b.stats()["pinned_entries"] == 1
