@@ -92,10 +92,15 @@ def test_file_index_rows_with_crafted_cells(disk, file, size, op):
         b.put("good", GOOD)
     with sqlite3.connect(root / "index.sqlite") as db:
         db.execute(
-            "INSERT OR REPLACE INTO entries VALUES ('k', ?, ?, 0, 0)",
+            "INSERT OR REPLACE INTO entries (key, file, size, access_time, store_time) "
+            "VALUES ('k', ?, ?, 0, 0)",
             (file, size if isinstance(size, int) else 0),
         )
-        db.execute("INSERT OR REPLACE INTO entries VALUES (?, 'x', 1, 0, 0)", (b"\xff\xfe",))
+        db.execute(
+            "INSERT OR REPLACE INTO entries (key, file, size, access_time, store_time) "
+            "VALUES (?, 'x', 1, 0, 0)",
+            (b"\xff\xfe",),
+        )
         db.execute("UPDATE settings SET value = ? WHERE key = 'size'", (size,))
     got = b.get_many(["k", "good"])
     assert got[0] is None and got[1] is not None  # one bad row never spoils the batch
