@@ -40,7 +40,9 @@ def test_unknown_scheme_lists_valid_ones():
 
 
 def test_unknown_option_names_it_and_lists_valid_ones():
-    with pytest.raises(ValueError, match="max_byte.*valid options: max_bytes, max_entries"):
+    with pytest.raises(
+        ValueError, match="max_byte.*valid options: idle_ttl, max_bytes, max_entries, pin_max_bytes"
+    ):
         mlxcache.open_backend("memory://?max_byte=1")
 
 
