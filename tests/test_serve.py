@@ -33,13 +33,14 @@ def tiny_lm(tmp_path_factory):
 class Server:
     """``mlxcache serve`` in a subprocess; its log goes to a file."""
 
-    def __init__(self, model: str, cache: str, log_path, *extra: str) -> None:
+    def __init__(self, model: str, cache: str | None, log_path, *extra: str, **env: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
         args = [sys.executable, "-m", "mlxcache", "serve", "--model", model]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), "--cache", cache, *extra]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
+        args += ["--cache", cache] if cache is not None else []  # else $MLXCACHE_URL
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -108,8 +109,8 @@ class Server:
 def servers(tmp_path):
     started: list[Server] = []
 
-    def start(model: str, cache: str, *extra: str) -> Server:
-        s = Server(model, cache, tmp_path / f"server{len(started)}.log", *extra)
+    def start(model: str, cache: str | None, *extra: str, **env: str) -> Server:
+        s = Server(model, cache, tmp_path / f"server{len(started)}.log", *extra, **env)
         started.append(s)
         return s
 
@@ -165,7 +166,9 @@ def test_two_servers_share_one_redis(tiny_lm, servers, redis_url):
 
 
 def test_dead_redis_still_answers_uncached(tiny_lm, servers, tmp_path):
-    reference = servers(tiny_lm, "memory://").chat()[0]
+    plain = servers(tiny_lm, None, MLXCACHE_URL="memory://")  # --cache defaults to the env
+    reference = plain.chat()[0]
+    assert "backend=MemoryBackend" in plain.log()
     dead = RedisServer()
     url = dead.url
     dead.close()  # nothing listens there now
