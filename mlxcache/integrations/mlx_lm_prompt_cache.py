@@ -144,7 +144,7 @@ class SharedPromptCache(LRUPromptCache):
         ``len(tokens) - 1`` tokens (the last one is always run).
         """
         self._count(fetches=1)
-        if tokens:
+        if tokens and self.backend is not None:
             self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
         hot = len(tokens) - len(rest) if cache is not None else 0
@@ -190,6 +190,9 @@ class SharedPromptCache(LRUPromptCache):
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         with self._lock:
             done, self._done = self._done, []
+        if self.backend is None:  # a plain hot LRU
+            self._run((model, [], [], None, done))
+            return
         tokens = list(tokens)
         job = (model, tokens, list(prompt_cache), self._prompt_of(model, tokens), done)
         if self._jobs is None:
