@@ -252,3 +252,28 @@ def test_help_lists_ours_then_mlx_lms_options():
     assert run.returncode == 0, run.stderr
     ours, theirs = run.stdout.index("--cache CACHE"), run.stdout.index("--prompt-cache-bytes")
     assert ours < theirs and "--model MODEL" in run.stdout
+
+
+def test_concurrent_requests_are_each_stored_before_they_end(tiny_lm, servers, tmp_path):
+    """mlx-lm batches concurrent requests; every answered one is in the store at its end."""
+    import threading
+
+    cache = f"file://{tmp_path}/cache"
+    first = servers(tiny_lm, cache)
+    asks = [[{"role": "user", "content": f"Tale {i} of the hills and the sea."}] for i in range(4)]
+    answers: dict[int, tuple[str, int, int]] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = first.chat(asks[i], max_tokens=6)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(answers) == [0, 1, 2, 3]
+    first.kill()  # right after the last answer
+    second = servers(tiny_lm, cache)
+    for i in range(4):  # (texts are not compared: batched and single runs may round apart)
+        _, n, cached = second.chat(asks[i], max_tokens=6)
+        assert n == answers[i][1] and cached == n - 1
