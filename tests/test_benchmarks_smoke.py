@@ -81,6 +81,8 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("server", "mlx_lm.server warm, same process"),
             ("server", "mlxcache serve warm, new process (file://)"),
         }
+    expected |= {("signed", "signed file:// put"), ("signed", "signed file:// get")}
+    expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names
     assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
 

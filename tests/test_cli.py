@@ -100,7 +100,7 @@ def test_copy_between_caches_is_bit_exact(capsys, cache_uri, tmp_path):
 
 def test_verify_reports_a_corrupt_record(capsys, cache_uri, tmp_path):
     code, out, _ = run(capsys, "verify", cache_uri, "--json")
-    assert code == 0 and json.loads(out) == {"checked": 3, "bad": []}
+    assert code == 0 and json.loads(out) == {"checked": 3, "bad": [], "reasons": {}}
     files = sorted((tmp_path / "cache").rglob("*.safetensors"))
     assert len(files) == 3
     victim = files[0]
