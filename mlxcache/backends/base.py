@@ -313,6 +313,10 @@ class BackendBase:
         """Metadata and tensor table of ``key`` (no tensor data where the backend can)."""
         return self._guard("header", None, self._header, check_key(key))
 
+    def counters(self) -> dict[str, int]:
+        """This process's counters alone (hits, misses, errors...): no call to the store."""
+        return self._counters.snapshot()
+
     def stats(self) -> dict[str, Any]:
         """Entries and bytes of the store, this process's counters, and ``available``."""
         found = self._guard("stats", None, self._stats)
