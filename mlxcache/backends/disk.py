@@ -46,6 +46,7 @@ from mlxcache.backends.disk_files import (
     unlink,
     write_file,
 )
+from mlxcache.backends.fleet import FLEET
 from mlxcache.errors import FormatError, UntrustedRecordError
 from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
@@ -519,6 +520,21 @@ class DiskBackend(BackendBase):
 
     def _count(self) -> int:
         return self._settings()["count"]
+
+    def _fleet_add(self, deltas: dict[str, int]) -> None:
+        """Fleet counters are ``fleet.<name>`` rows of the settings table, summed in SQL."""
+        self._writable()
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE "
+                "SET value = CASE WHEN typeof(value) = 'integer' THEN value ELSE 0 END "
+                "+ excluded.value",
+                [(f"fleet.{k}", int(v)) for k, v in deltas.items()],
+            )
+
+    def _fleet_read(self) -> dict[str, int]:
+        settings = self._settings()
+        return {k: settings.get(f"fleet.{k}", 0) for k in FLEET}
 
     def _stats(self) -> dict[str, Any]:
         settings = self._settings()
