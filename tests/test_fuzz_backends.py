@@ -266,3 +266,19 @@ def test_managers_through_redis_on_crafted_bytes(redis_url, data):
     m = MLLMPrefixCacheManager(backend=backend)
     entry, n = m.fetch(["x"], "p", [1, 2, 3])
     assert (entry is None) == (n == 0) and 0 <= n <= 3
+
+
+def test_an_undecodable_index_row_no_longer_spoils_its_batch(tmp_path):
+    """Regression: a row whose text is not UTF-8 made SQLite's fetch raise, so every get_many
+    batch containing that key missed, forever; now that row alone is unindexed."""
+    b = DiskBackend(tmp_path)
+    b.put("good", GOOD)
+    b.put("k", GOOD)
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        db.execute("UPDATE entries SET file = CAST(x'fffe41' AS TEXT) WHERE key = 'k'")
+        db.execute("INSERT INTO entries VALUES (CAST(x'ff' AS TEXT), 'x', 1, 0, 0)")
+    good, k = b.get_many(["good", "k"])
+    assert_same(good, GOOD)
+    assert k is None
+    assert "k" not in b and sorted(b.keys()) == ["good"] and b.stats()["errors"] == 1
+    assert b.get_many(["good", "k"])[0] is not None  # and it stays fixed
