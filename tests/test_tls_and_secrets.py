@@ -138,3 +138,14 @@ def test_invalid_uri_errors_never_repeat_the_password(uri):
     with pytest.raises(ValueError) as err:
         mlxcache.open_backend(uri)
     _no_secret(str(err.value))
+
+
+def test_managers_never_show_the_password(tmp_path):
+    from mlxcache.mllm_cache import MLLMPrefixCacheManager
+
+    uri = f"redis://{USER}:{DOWN_PW}@127.0.0.1:{free_port()}/0?timeout=0.2"
+    m = MLLMPrefixCacheManager(backend=uri)
+    with pytest.raises(TypeError) as err:  # a Python object cannot go to a persistent store
+        m.store(["i"], "p", object(), [], [1, 2])
+    pc = PrefixCache(uri, model="m")
+    _no_secret(str(err.value), repr(m), repr(pc), str(pc.stats()))
