@@ -461,6 +461,9 @@ def describe(header: Header) -> dict[str, Any]:
     return {
         "format_version": header.version,
         "checksum": header.checksum,
+        "signed_by": header.mac.split(":")[1]
+        if header.mac and header.mac.count(":") == 2
+        else None,
         "bytes": header.total_size,
         "meta": jsonable(header.meta),
         "tensors": [
