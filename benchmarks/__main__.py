@@ -17,7 +17,7 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "signed")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed", "scale")
 DEFAULT_OUT = "benchmarks/results/latest.json"
 
 
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     lookup_disk = args.lookup_blocks_disk or (100 if smoke else 2000)
     prompt_lengths = args.prompt_lengths or ([32, 64] if smoke else [128, 512, 2048])
     rss_sizes = sizes[:1] if smoke else sizes
+    scale_sizes = sizes[:1] if smoke else [n for n in (512, 4096) if n in sizes] or sizes[:2]
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))
     ctx = Context(repeat=repeat, tmpdir=scratch, smoke=smoke)
@@ -106,10 +107,18 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import rss
 
                 rows += rss.run(rss_sizes, ctx)
+            elif section == "server":
+                from benchmarks import lm_server
+
+                rows += lm_server.run(ctx)
             elif section == "signed":
                 from benchmarks import signed
 
                 rows += signed.run(sizes[-1:], ctx)
+            elif section == "scale":
+                from benchmarks import scale
+
+                rows += scale.run(scale_sizes, ctx)
             print(f"[{section}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     finally:
         if server is not None:
@@ -125,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "lookup_blocks_disk": lookup_disk,
         "prompt_lengths": prompt_lengths,
         "rss_sizes": rss_sizes,
+        "scale_sizes": scale_sizes,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -208,8 +208,44 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 64 or args.max_tokens < 1:
         raise CLIError("--prompt-tokens must be >= 64 and --max-tokens >= 1")
+    if args.model_kind == "lm":
+        from mlxcache.demo_lm import run_lm_demo
 
+        return run_lm_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
     return run_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
+
+
+def cmd_import(args: argparse.Namespace) -> None:
+    from mlxcache.integrations.mlx_lm_files import FileError, import_file
+
+    with _open(args.uri) as backend:
+        before = _errors(backend)
+        try:
+            key, layers = import_file(args.file, backend, args.key)
+        except FileError as exc:
+            _check_reachable(backend, before, args.uri)
+            raise CLIError(str(exc)) from None
+        _check_reachable(backend, before, args.uri)
+    print(f"imported {args.file} ({layers} layers) as {key}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from mlxcache.integrations.mlx_lm_files import FileError, export_file
+
+    with _open(args.uri) as backend:
+        before = _errors(backend)
+        try:
+            export_file(backend, args.key, args.file)
+        except FileError as exc:
+            _check_reachable(backend, before, args.uri)
+            raise CLIError(str(exc)) from None
+    print(f"exported {args.key} to {args.file}")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from mlxcache.integrations.mlx_lm_server import main as serve
+
+    return serve(args.server_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -232,6 +268,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="prompt length"
     )
     sp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate")
+    sp.add_argument(
+        "--model-kind",
+        choices=("vlm", "lm"),
+        default="vlm",
+        help="vlm: cached generation with a tiny VLM; lm: mlxcache serve with a tiny llama",
+    )
+    sp = add("serve", cmd_serve, "mlx-lm's OpenAI-compatible server on a persistent prompt cache")
+    sp.add_argument("server_args", nargs=argparse.REMAINDER, help="see mlxcache serve --help")
+    sp = add("import", cmd_import, "store an mlx-lm prompt-cache file as one record")
+    sp.add_argument("file", help="a .safetensors file from mlx_lm.cache_prompt")
+    sp.add_argument("uri")
+    sp.add_argument("--key", default=None, help="record key (default: mlx-lm/<file stem>)")
+    sp = add("export", cmd_export, "write a record as an mlx-lm prompt-cache file")
+    sp.add_argument("uri")
+    sp.add_argument("key", help="a record key, e.g. one that mlxcache import printed")
+    sp.add_argument("file", help="where to write it (.safetensors)")
     sp = add("stats", cmd_stats, "print a backend's stats")
     sp.add_argument("uri")
     sp.add_argument("--json", action="store_true", help="one JSON object")
@@ -269,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:  # every other option is mlx_lm.server's: it parses them
+        return cmd_serve(argparse.Namespace(server_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logger = logging.getLogger("mlxcache")
     propagate = logger.propagate

@@ -20,11 +20,14 @@ def _digest(data: bytes, n: int = 12) -> str:
 
 
 def _config_of(obj: Any) -> dict[str, Any]:
-    cfg = getattr(obj, "config", None)  # first: an mlx Module is itself a dict
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return dataclasses.asdict(cfg)
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
+    # first: an mlx Module is itself a dict. mlx-vlm models carry ``.config``, mlx-lm models
+    # ``.args`` (a ModelArgs dataclass)
+    for attr in ("config", "args"):
+        cfg = getattr(obj, attr, None)
+        if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+            return dataclasses.asdict(cfg)
+        if isinstance(cfg, Mapping):
+            return dict(cfg)
     if isinstance(obj, str | os.PathLike):
         path = os.path.join(os.fspath(obj), "config.json") if os.path.isdir(obj) else obj
         with open(path) as f:
@@ -32,8 +35,8 @@ def _config_of(obj: Any) -> dict[str, Any]:
     if isinstance(obj, Mapping) and not hasattr(obj, "parameters"):
         return dict(obj)
     raise TypeError(
-        f"model_identity needs a model with a .config, a config dict or a model folder, "
-        f"got {type(obj).__name__}"
+        "model_identity needs a model with a .config or .args, a config dict or a model "
+        f"folder, got {type(obj).__name__}"
     )
 
 
@@ -83,11 +86,13 @@ def model_identity(
 ) -> str:
     """``model_type[:name]/cfg-<digest>/q-<bits>b<group>[/w-<digest>][@revision]``.
 
-    Accepts an mlx-vlm/mlx-lm model (its ``.config``; quantization read from its layers), a
-    config dict or a model folder (``config.json``). A model object also adds a digest of its
-    parameters' names, shapes and dtypes; ``hash_weights=True`` adds their bytes too (exact,
-    about a second per GB). Give ``revision`` (a commit, a checkpoint tag) when two weight
-    sets share a config, e.g. fine-tunes: otherwise they would share KV.
+    Accepts an mlx-vlm model (its ``.config``) or an mlx-lm model (its ``.args``), quantization
+    read from its layers; a config dict or a model folder (``config.json``). A model object
+    also adds a digest of its parameters' names, shapes and dtypes; ``hash_weights=True`` adds
+    their bytes too (exact, about a second per GB). Give ``revision`` (a commit, a checkpoint
+    tag) when two weight sets share a config, e.g. fine-tunes: otherwise they would share KV.
+    A loaded mlx-lm model's ``.args`` keep only the keys its architecture reads, so its
+    identity differs from its folder's (use one form on every process that shares a cache).
     """
     cfg = _config_of(model_or_config)
     model_type = cfg.get("model_type") or "model"

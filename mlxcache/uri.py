@@ -38,6 +38,11 @@ _SCHEMES: dict[str, Factory | str] = {
     "redis": "mlxcache.backends.redis:from_uri",
     "rediss": "mlxcache.backends.redis:from_uri",
     "unix": "mlxcache.backends.redis:from_uri",
+    "tiered": "mlxcache.backends.tiered:from_uri",
+    "redis+cluster": "mlxcache.backends.redis_cluster:from_cluster_uri",
+    "rediss+cluster": "mlxcache.backends.redis_cluster:from_cluster_uri",
+    "redis+sentinel": "mlxcache.backends.redis_cluster:from_sentinel_uri",
+    "rediss+sentinel": "mlxcache.backends.redis_cluster:from_sentinel_uri",
 }
 
 

@@ -54,3 +54,43 @@ def pytest_configure(config):
         "fuzz-long", max_examples=2000, deadline=None, suppress_health_check=quiet
     )
     settings.load_profile("fuzz-long" if config.getoption("--fuzz-long") else "fuzz")
+
+
+# ---------------------------------------------------------------- Redis Cluster and Sentinel
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_deployment():
+    """A real local Redis Cluster (3 primaries + 3 replicas) for the whole session."""
+    from redis_cluster import LocalCluster
+
+    cluster = LocalCluster()
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def redis_cluster(redis_cluster_deployment):
+    """The session cluster, healed (killed nodes restarted) and emptied before each test."""
+    redis_cluster_deployment.heal()
+    redis_cluster_deployment.flushall()
+    return redis_cluster_deployment
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel_deployment():
+    """A real primary + replica watched by 3 sentinels, for the whole session."""
+    from redis_cluster import LocalSentinel
+
+    sentinel = LocalSentinel()
+    yield sentinel
+    sentinel.close()
+
+
+@pytest.fixture
+def redis_sentinel(redis_sentinel_deployment):
+    """The session sentinel setup, healed and emptied (FLUSHALL on the primary) per test."""
+    redis_sentinel_deployment.heal()
+    with redis_sentinel_deployment.current_primary().client() as c:
+        c.flushall()
+    return redis_sentinel_deployment

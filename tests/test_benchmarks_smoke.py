@@ -76,6 +76,11 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             expected |= {("throughput", "redis:// put"), ("throughput", "redis:// get")}
     if _importable("mlxcache.integrations.mlx_vlm") and _importable("mlxcache.backends.disk"):
         expected |= {("ttft", "qwen2_vl uncached"), ("ttft", "qwen2_vl file:// warm")}
+    if _importable("mlx_lm") and _importable("mlxcache.integrations.mlx_lm_server"):
+        expected |= {
+            ("server", "mlx_lm.server warm, same process"),
+            ("server", "mlxcache serve warm, new process (file://)"),
+        }
     expected |= {("signed", "signed file:// put"), ("signed", "signed file:// get")}
     expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names

@@ -145,6 +145,16 @@ def test_demo_subcommand_runs_cold_then_warm_in_a_new_process(capsys, tmp_path):
         assert len(b) == 0  # the demo removes its own entries
 
 
+def test_demo_lm_serves_warm_after_a_restart(capsys, tmp_path):
+    uri = f"file://{tmp_path / 'demo-lm'}"
+    args = ("demo", "--model-kind", "lm", "--cache", uri, "--prompt-tokens", "96")
+    code, out, err = run(capsys, *args, "--max-tokens", "3")
+    assert code == 0, out + err
+    assert "matches cold" in out and "matches uncached" in out and "after SIGKILL" in out
+    with mlxcache.open_backend(uri) as b:
+        assert len(b) == 0  # the demo removes its own entries
+
+
 def test_demo_errors(capsys):
     code, _, err = run(capsys, "demo", "--prompt-tokens", "8")
     assert code == 1 and "--prompt-tokens must be >= 64" in err

@@ -405,6 +405,13 @@ class DiskBackend(BackendBase):
         except sqlite3.Error as exc:
             self.error("touch", exc)
 
+    def _touch_many(self, keys: list[str]) -> None:
+        now = time.time()
+        with self._transaction() as db:
+            db.executemany(
+                "UPDATE entries SET access_time = ? WHERE key = ?", [(now, k) for k in keys]
+            )
+
     def _header(self, key: str) -> st.Header | None:
         """Metadata and tensor table of ``key`` without its tensor data (``mlxcache inspect``)."""
         return self._load(key, self._lookup([key]).get(key), st.read_header)[0]

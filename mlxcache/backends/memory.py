@@ -85,6 +85,12 @@ class MemoryBackend(BackendBase):
                 out.append(None if item is None else detached(item[0]))
         return out
 
+    def _touch_many(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._data:
+                    self._data.move_to_end(key)
+
     def _delete(self, key: str) -> bool:
         with self._lock:
             old = self._data.pop(key, None)

@@ -11,6 +11,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.integrations.resume import unsupported_cache_reason
+
 # Families whose language model keeps M-RoPE state (``_rope_deltas``) and slices full-prompt
 # ``position_ids`` at its cache offset: resumable when both are passed explicitly.
 MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
@@ -40,16 +42,7 @@ def static_unsupported_reason(model: Any, prompt_cache: list[Any]) -> str | None
         return f"model type {mtype} reads full-prompt masks a suffix prefill cannot carry"
     if (hasattr(lm, "_rope_deltas") or hasattr(lm, "_position_ids")) and mtype not in MROPE_TYPES:
         return f"model type {mtype} keeps position state mlxcache does not know how to resume"
-    try:
-        from mlxcache.serializers.adapters import adapter_for
-    except ImportError:  # pragma: no cover - serializers are part of the package
-        return "the cache serializers are not available"
-    for c in prompt_cache:
-        try:
-            adapter_for(c)
-        except Exception:
-            return f"cache class {type(c).__module__}.{type(c).__name__} is not supported"
-    return None
+    return unsupported_cache_reason(prompt_cache)
 
 
 def embedding_unsupported_reason(extra: dict[str, Any]) -> str | None:

@@ -14,14 +14,13 @@ is reused at exactly the stored length).
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.integrations import resume
 from mlxcache.integrations._vlm_models import (
     MROPE_TYPES,
     RESUMABLE_KEYS,
@@ -31,57 +30,35 @@ from mlxcache.integrations._vlm_models import (
     model_type,
     static_unsupported_reason,
 )
+from mlxcache.integrations.generation import (
+    Detokenizer,
+    GenerationResult,
+    GenerationStep,
+    Prefill,
+    Sampler,
+    make_sampler,
+    sample_tokens,
+    stream_result,
+)
+from mlxcache.integrations.resume import log
 
-log = logging.getLogger("mlxcache")
+__all__ = [
+    "DEFAULT_PREFILL_STEP_SIZE",
+    "GenerationResult",
+    "GenerationStep",
+    "Prefill",
+    "Sampler",
+    "cached_generate",
+    "decode",
+    "generate_tokens",
+    "image_keys",
+    "make_sampler",
+    "prefill",
+    "stream_cached_generate",
+    "stream_generate_tokens",
+]
 
 DEFAULT_PREFILL_STEP_SIZE = 2048  # mlx-vlm's default chunk
-
-Sampler = Callable[[mx.array], mx.array]
-
-
-@dataclass
-class Prefill:
-    """A prompt's state after prefill, ready to sample its first token from ``logits``."""
-
-    prompt_cache: list[Any]
-    extras: dict[str, mx.array]  # state stored with the KV cache, e.g. M-RoPE ``rope_deltas``
-    num_cached_tokens: int  # prompt tokens restored from the cache (not recomputed)
-    logits: mx.array  # (1, vocab) logits of the last prompt token
-    num_tokens: int = 0  # prompt length
-    num_stored_tokens: int = 0  # new tokens written to the cache
-    vision_cached: bool = False  # image features came from the cache: the encoder did not run
-    cached: bool = True  # False when the model or its cache classes ran uncached
-    decode_kwargs: dict[str, Any] = field(default_factory=dict)  # per decode step
-
-
-@dataclass
-class GenerationResult:
-    """Tokens (and text, given a tokenizer) of one request, with cache use and timings."""
-
-    tokens: list[int] = field(default_factory=list)
-    text: str | None = None
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    stored_tokens: int = 0
-    vision_cached: bool = False
-    cached: bool = True
-    time_to_first_token: float = 0.0  # seconds from the call, cache lookup and restore included
-    total_time: float = 0.0
-    first_logits: mx.array | None = None
-
-    @property
-    def generation_tps(self) -> float:
-        decode = self.total_time - self.time_to_first_token
-        return (len(self.tokens) - 1) / decode if len(self.tokens) > 1 and decode > 0 else 0.0
-
-
-@dataclass
-class GenerationStep:
-    """One streamed token; ``text`` is the new text it completes ("" without a tokenizer)."""
-
-    token: int
-    text: str
-    result: GenerationResult  # running totals, final after the last step
 
 
 def _as_ids(input_ids: Any) -> mx.array:
@@ -112,12 +89,6 @@ def image_keys(images: Sequence[Any], pixel_values: Any, model_kwargs: dict[str,
     for name, value in arrays:
         parts += [name.encode(), value]
     return [images_digest(parts)]
-
-
-def _same_layout(restored: list[Any], fresh: list[Any]) -> bool:
-    return len(restored) == len(fresh) and all(
-        type(a) is type(b) for a, b in zip(restored, fresh, strict=True)
-    )
 
 
 def _equal(a: mx.array, b: mx.array) -> bool:
@@ -152,15 +123,8 @@ def prefill(
     keys = image_keys(images, pixel_values, model_kwargs)
     tokens = ids[0].tolist()
 
-    hit, restored = None, None
-    if cache is not None and reason is None and n > 1:
-        hit = _cache_call("lookup", cache.lookup, tokens[:-1], images=keys)
-        restored = getattr(hit, "vision_embeddings", None)
-        if hit is not None and (hit.num_tokens <= 0 or hit.prompt_cache is None):
-            hit = None  # only the images' embeddings were found
-        if hit is not None and not _same_layout(hit.prompt_cache, fresh):
-            log.warning("mlxcache: cached prefix has another cache layout; ignoring it")
-            hit = None
+    found = resume.lookup(cache if reason is None else None, tokens, fresh, images=keys)
+    hit, restored = found.hit, found.vision_embeddings
 
     # Image features: restored with the prefix, else computed once here (the same computation
     # the model runs) so they can be stored; the model then never runs its own encoder.
@@ -200,25 +164,21 @@ def prefill(
 
     prompt_cache = hit.prompt_cache if hit is not None else fresh
     start = hit.num_tokens if hit is not None else 0
-    for s in range(start, n - 1, prefill_step_size):
-        e = min(s + prefill_step_size, n - 1)
-        lm(ids[:, s:e], inputs_embeds=embeds[:, s:e], cache=prompt_cache, **lm_kwargs)
-        mx.eval([c.state for c in prompt_cache])
 
-    stored = 0
-    if use_cache and n - 1 > start:
-        kept = _cache_call(
-            "store",
-            cache.store,
-            tokens[:-1],
-            prompt_cache,
-            images=keys,
-            extras=extras or None,
-            vision_embeddings=features,
-        )
-        stored = kept or 0
+    def run(s: int, e: int) -> Any:
+        return lm(ids[:, s:e], inputs_embeds=embeds[:, s:e], cache=prompt_cache, **lm_kwargs)
 
-    out = lm(ids[:, n - 1 :], inputs_embeds=embeds[:, n - 1 :], cache=prompt_cache, **lm_kwargs)
+    out, stored = resume.finish_prompt(
+        run,
+        prompt_cache,
+        tokens,
+        start,
+        cache=cache if use_cache else None,
+        step_size=prefill_step_size,
+        images=keys,
+        extras=extras,
+        vision_embeddings=features,
+    )
     logits = out.logits[:, -1, :]
     mx.eval(logits)
 
@@ -236,21 +196,8 @@ def prefill(
         vision_cached=vision_cached,
         cached=use_cache,
         decode_kwargs=decode_kwargs,
+        token_ids=tokens,
     )
-
-
-def _cache_call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """A cache lookup or store whose failure must not break inference: logged, then None.
-
-    Backends already turn their own failures (a dead Redis) into misses and no-ops; this also
-    covers a backend that raises anyway (a third-party one with a bug) and any other error
-    inside the cache.
-    """
-    try:
-        return fn(*args, **kwargs)
-    except Exception as e:
-        log.warning("mlxcache: cache %s failed, continuing without it: %r", what, e)
-        return None
 
 
 def _carried_outputs(out: Any) -> dict[str, Any]:
@@ -262,13 +209,6 @@ def _carried_outputs(out: Any) -> dict[str, Any]:
     return {}
 
 
-def make_sampler(temperature: float = 0.0) -> Sampler:
-    """Greedy (argmax) at temperature 0, else categorical sampling of ``logprobs / T``."""
-    if temperature == 0:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
-    return lambda logprobs: mx.random.categorical(logprobs * (1 / temperature))
-
-
 def decode(
     model: Any,
     state: Prefill,
@@ -278,47 +218,23 @@ def decode(
     eos_token_ids: Sequence[int] = (),
 ) -> Iterator[int]:
     """Sample up to ``max_tokens`` tokens from a Prefill, stopping after an EOS token."""
-    sampler = sampler or make_sampler(0.0)
     lm = model.language_model
-    logits, kwargs = state.logits, dict(state.decode_kwargs)
-    eos = set(eos_token_ids)
-    for i in range(max_tokens):
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        y = sampler(logprobs)
-        token = y.item()
-        yield token
-        if token in eos or i == max_tokens - 1:
-            return
+    kwargs = dict(state.decode_kwargs)
+
+    def step(y: mx.array) -> mx.array:
+        nonlocal kwargs
         out = lm(y.reshape(1, 1), cache=state.prompt_cache, **kwargs)
-        logits = out.logits[:, -1, :]
         kwargs = {**state.decode_kwargs, **_carried_outputs(out)}
+        return out.logits[:, -1, :]
 
-
-class _Detokenizer:
-    """Text deltas from a tokenizer's ``decode`` (held back while a character is incomplete)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.text = ""
-
-    def add(self, token: int) -> str:
-        if self.tokenizer is None:
-            return ""
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd") or not text.startswith(self.text):
-            return ""
-        delta, self.text = text[len(self.text) :], text
-        return delta
-
-    def finish(self) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(self.tokens)
-        delta = text[len(self.text) :] if text.startswith(self.text) else ""
-        self.text = text
-        return delta
+    for token, _ in sample_tokens(
+        state.logits,
+        step,
+        max_tokens=max_tokens,
+        sampler=sampler or make_sampler(0.0),
+        eos_token_ids=eos_token_ids,
+    ):
+        yield token
 
 
 def stream_generate_tokens(
@@ -353,29 +269,14 @@ def stream_generate_tokens(
         prefill_step_size=prefill_step_size,
         **model_kwargs,
     )
-    result = GenerationResult(
-        prompt_tokens=state.num_tokens,
-        cached_tokens=state.num_cached_tokens,
-        stored_tokens=state.num_stored_tokens,
-        vision_cached=state.vision_cached,
-        cached=state.cached,
-        first_logits=state.logits,
-    )
-    detok = _Detokenizer(tokenizer)
     sampler = sampler or make_sampler(temperature)
-    for token in decode(
+    tokens = decode(
         model, state, max_tokens=max_tokens, sampler=sampler, eos_token_ids=eos_token_ids
-    ):
-        now = time.perf_counter() - t0
-        if not result.tokens:
-            result.time_to_first_token = now
-        result.tokens.append(token)
-        result.total_time = now
-        yield GenerationStep(token, detok.add(token), result)
-    if tokenizer is not None:
-        detok.finish()
-        result.text = detok.text
-    result.total_time = time.perf_counter() - t0
+    )
+    text = Detokenizer(tokenizer) if tokenizer is not None else None
+    yield from stream_result(
+        state, tokens, t0=t0, max_tokens=max_tokens, text=text, eos_token_ids=eos_token_ids
+    )
 
 
 def generate_tokens(

@@ -1,0 +1,181 @@
+"""Engine-neutral resume of a prompt on a PrefixCache: restore, extend, store, last token.
+
+An engine (mlx-vlm, mlx-lm) gives a fresh prompt cache and a step function that runs its model
+on prompt positions ``[s, e)``. This module finds the longest cached prefix of all but the last
+token, checks that it fits the fresh cache, runs the rest in chunks, stores the new blocks and
+runs the last token alone (as the engines' own ``generate_step`` does): a repeat of a prompt
+restores everything but one token, and a hit never needs a cache that can be cut. A cache that
+fails (a backend that raises, any error inside the cache) is logged and the prompt runs
+uncached: the cache never breaks inference.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+from mlxcache.prefix import PrefixHit
+from mlxcache.serializers import adapters
+
+log = logging.getLogger("mlxcache")
+
+# Attributes that shape a cache layer beyond its class: a restored layer must agree with the
+# fresh one on each it has (a 512-token window is not a 1024-token one).
+_SHAPE_ATTRS = ("max_size", "keep", "bits", "group_size", "chunk_size")
+
+Run = Callable[[int, int], Any]  # run the model on prompt positions [s, e); returns its output
+
+
+def cache_call(what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A cache lookup or store whose failure must not break inference: logged, then None.
+
+    Backends already turn their own failures (a dead Redis) into misses and no-ops; this also
+    covers a backend that raises anyway (a third-party one with a bug) and any other error
+    inside the cache.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        log.warning("mlxcache: cache %s failed, continuing without it: %r", what, e)
+        return None
+
+
+def unsupported_cache_reason(prompt_cache: Sequence[Any]) -> str | None:
+    """Why this (fresh) prompt cache cannot be stored, or None: a class with no adapter."""
+    for c in prompt_cache:
+        if adapters.find(c) is None:
+            return f"cache class {type(c).__module__}.{type(c).__name__} is not supported"
+    return None
+
+
+def same_layout(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:
+    """Whether a restored cache has the fresh cache's layers: same classes, same shapes."""
+    if len(restored) != len(fresh):
+        return False
+    for a, b in zip(restored, fresh, strict=True):
+        if type(a) is not type(b):
+            return False
+        for name in _SHAPE_ATTRS:
+            if getattr(a, name, None) != getattr(b, name, None):
+                return False
+    return True
+
+
+@dataclass
+class Found:
+    """What a lookup found: a usable prefix (or None) and the images' embeddings (or None)."""
+
+    hit: PrefixHit | None = None
+    vision_embeddings: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.hit.num_tokens if self.hit is not None else 0
+
+
+def lookup(
+    cache: Any,
+    tokens: Sequence[int],
+    fresh: Sequence[Any],
+    *,
+    images: Sequence[Any] = (),
+    fits: Callable[[Sequence[Any], Sequence[Any]], bool] = same_layout,
+) -> Found:
+    """The longest cached prefix of ``tokens[:-1]`` whose layout ``fits`` the ``fresh`` cache.
+
+    ``cache`` is a ``PrefixCache`` or None (nothing found). The last token is never looked up:
+    it runs after the restore so its logits come from the model. A prefix with another layout
+    (another window size, another cache class) is ignored with a log line.
+    """
+    if cache is None or len(tokens) < 2:
+        return Found()
+    hit = cache_call("lookup", cache.lookup, list(tokens[:-1]), images=images)
+    vision = getattr(hit, "vision_embeddings", None)
+    if hit is not None and (hit.num_tokens <= 0 or hit.prompt_cache is None):
+        hit = None  # only the images' embeddings were found
+    if hit is not None and not fits(hit.prompt_cache, fresh):
+        log.warning("mlxcache: cached prefix has another cache layout; ignoring it")
+        hit = None
+    return Found(hit, vision)
+
+
+def extend(
+    run: Run,
+    prompt_cache: Sequence[Any],
+    start: int,
+    end: int,
+    *,
+    step_size: int,
+    after_chunk: Callable[[int], None] | None = None,
+) -> None:
+    """Run prompt positions ``[start, end)`` in chunks of ``step_size``, evaluating the cache.
+
+    ``after_chunk(e)`` runs after each chunk is evaluated (progress, freeing buffers).
+    """
+    if step_size <= 0:
+        raise ValueError(f"prefill_step_size must be positive, got {step_size}")
+    for s in range(start, end, step_size):
+        e = min(s + step_size, end)
+        run(s, e)
+        mx.eval([c.state for c in prompt_cache])
+        if after_chunk is not None:
+            after_chunk(e)
+
+
+def store(
+    cache: Any,
+    tokens: Sequence[int],
+    prompt_cache: Sequence[Any],
+    *,
+    images: Sequence[Any] = (),
+    extras: dict[str, mx.array] | None = None,
+    vision_embeddings: Any = None,
+) -> int:
+    """Store the cache of exactly ``tokens``; how many new tokens the cache kept (0 on failure)."""
+    kept = cache_call(
+        "store",
+        cache.store,
+        list(tokens),
+        prompt_cache,
+        images=images,
+        extras=extras or None,
+        vision_embeddings=vision_embeddings,
+    )
+    return kept or 0
+
+
+def finish_prompt(
+    run: Run,
+    prompt_cache: Sequence[Any],
+    tokens: Sequence[int],
+    start: int,
+    *,
+    cache: Any = None,
+    step_size: int,
+    images: Sequence[Any] = (),
+    extras: dict[str, mx.array] | None = None,
+    vision_embeddings: Any = None,
+    after_chunk: Callable[[int], None] | None = None,
+) -> tuple[Any, int]:
+    """Extend a cache holding ``tokens[:start]`` to all but the last token, store, run the last.
+
+    With ``cache`` (a PrefixCache) the state before the last token is stored when something was
+    new. Returns the last token's ``run`` output and how many tokens the store kept.
+    """
+    n = len(tokens)
+    extend(run, prompt_cache, start, n - 1, step_size=step_size, after_chunk=after_chunk)
+    stored = 0
+    if cache is not None and n - 1 > start:
+        stored = store(
+            cache,
+            tokens[:-1],
+            prompt_cache,
+            images=images,
+            extras=extras,
+            vision_embeddings=vision_embeddings,
+        )
+    return run(n - 1, n), stored

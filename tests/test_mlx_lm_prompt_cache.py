@@ -1,0 +1,239 @@
+"""SharedPromptCache: mlx-lm's LRUPromptCache over a shared PrefixCache tier.
+
+The hot tier holds its entry and byte budget; what it evicts, a restarted process or a second
+worker finds in the backend (memory, file, Redis); a dead backend is a miss, never an error.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+from redis_server import RedisServer
+
+from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+
+MODEL = ("tiny", None, None)
+
+
+def kv(tokens, layers=2):
+    """A real KVCache list whose rows are a function of the tokens (so prefixes agree)."""
+    t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, -1, 1)
+    out = []
+    for j in range(layers):
+        c = KVCache()
+        keys = mx.broadcast_to(t * (j + 1), (1, 2, len(tokens), 8))
+        c.update_and_fetch(keys, -keys)
+        out.append(c)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def rows(prompt_cache):
+    keys, _, offset = prompt_cache[0].state
+    return keys[0, 0, :offset, 0].tolist()
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_new_instance_finds_what_another_stored(tmp_path, background):
+    uri = f"file://{tmp_path}/c"
+    prompt = list(range(1, 40))
+    first = SharedPromptCache(backend=uri, background=background)
+    assert first.fetch_nearest_cache(MODEL, prompt) == (None, prompt)
+    answer = prompt + [90, 91, 92]
+    first.insert_cache(MODEL, answer, kv(answer))
+    first.close()  # finishes the pending store
+
+    second = SharedPromptCache(backend=uri)
+    cache, rest = second.fetch_nearest_cache(MODEL, prompt)
+    # the same prompt: all but its last token, from the store written at the prompt's length
+    assert rest == prompt[-1:]
+    assert rows(cache) == [float(t) for t in prompt[:-1]]
+    assert second.stats()["backend_hits"] == 1
+    # the whole answer is there too, for a follow-up turn that extends it
+    follow = answer + [7, 8, 9]
+    cache, rest = second.fetch_nearest_cache(MODEL, follow)
+    assert rest == [7, 8, 9]
+    assert rows(cache) == [float(t) for t in answer]
+    # another model key shares nothing
+    assert second.fetch_nearest_cache(("other", None, None), follow) == (None, follow)
+    second.close()
+
+
+def test_a_new_process_finds_it(tmp_path):
+    uri = f"file://{tmp_path}/c"
+    prompt = list(range(3, 300))  # more than one 256-token block
+    cache = SharedPromptCache(backend=uri)
+    cache.fetch_nearest_cache(MODEL, prompt)
+    cache.insert_cache(MODEL, prompt + [5], kv(prompt + [5]))
+    cache.close()
+    code = (
+        "import sys\n"
+        "from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache\n"
+        "c = SharedPromptCache(backend=sys.argv[1])\n"
+        "hit, rest = c.fetch_nearest_cache(('tiny', None, None), list(range(3, 300)))\n"
+        "print(len(rest), hit[0].offset, hit[0].state[0][0, 0, :hit[0].offset, 0].tolist()[-1])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, uri], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", str(len(prompt) - 1), str(float(prompt[-2]))]
+
+
+def test_hot_hit_does_not_touch_the_backend(tmp_path):
+    cache = SharedPromptCache(backend="memory://")
+    prompt = list(range(1, 30))
+    cache.fetch_nearest_cache(MODEL, prompt)
+    cache.insert_cache(MODEL, prompt + [4], kv(prompt + [4]))
+    before = cache.backend.stats()
+    hit, rest = cache.fetch_nearest_cache(MODEL, prompt)
+    assert rest == prompt[-1:] and rows(hit) == [float(t) for t in prompt[:-1]]
+    after = cache.backend.stats()
+    assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
+    assert cache.stats()["hot_hits"] == 1 and cache.stats()["backend_hits"] == 0
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_byte_budget_holds_and_evicted_prefixes_stay_reachable(tmp_path, background):
+    one = sum(c.nbytes for c in kv(list(range(40))))
+    budget = 3 * one + one // 2
+    uri = f"file://{tmp_path}/c"
+    cache = SharedPromptCache(max_size=100, max_bytes=budget, backend=uri, background=background)
+    prompts = [[1000 + i] + list(range(i, i + 30)) for i in range(50)]
+    for p in prompts:
+        cache.fetch_nearest_cache(MODEL, p)
+        cache.insert_cache(MODEL, p + [7] * 9, kv(p + [7] * 9))
+        assert cache.nbytes <= budget
+        assert len(cache) <= 3
+        assert sum(s["n_bytes"] for s in cache.stats_by_type().values()) == cache.nbytes
+    assert len(cache) == 3
+    cache.flush()
+    # the oldest prompts left the hot tier long ago: the backend has them
+    for p in prompts[:5]:
+        hit, rest = cache.fetch_nearest_cache(MODEL, p)
+        assert rest == p[-1:]
+        assert rows(hit) == [float(t) for t in p[:-1]]
+    assert cache.stats()["backend_hits"] == 5
+    # a backend hit does not grow the hot tier (the server inserts after generating)
+    assert cache.nbytes <= budget
+    # trim_to (what mlx-lm's batch path calls) is honoured as well
+    cache.trim_to(n_bytes=one)
+    assert cache.nbytes <= one and len(cache) <= 1
+
+
+def test_redis_shared_by_two_workers():
+    server = RedisServer()
+    try:
+        a = SharedPromptCache(backend=server.url)
+        b = SharedPromptCache(backend=server.url)
+        prompt = list(range(50, 90))
+        a.fetch_nearest_cache(MODEL, prompt)
+        a.insert_cache(MODEL, prompt + [1, 2], kv(prompt + [1, 2]))
+        hit, rest = b.fetch_nearest_cache(MODEL, prompt)
+        assert rest == prompt[-1:] and rows(hit) == [float(t) for t in prompt[:-1]]
+        a.close()
+        b.close()
+    finally:
+        server.close()
+
+
+def test_dead_redis_is_a_miss_and_the_hot_tier_still_works(caplog):
+    server = RedisServer()
+    url = server.url
+    server.close()
+    cache = SharedPromptCache(backend=url + "?timeout=0.2")
+    prompt = list(range(1, 20))
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        assert cache.fetch_nearest_cache(MODEL, prompt) == (None, prompt)
+        cache.insert_cache(MODEL, prompt + [3], kv(prompt + [3]))
+    hit, rest = cache.fetch_nearest_cache(MODEL, prompt)
+    assert rest == prompt[-1:] and rows(hit) == [float(t) for t in prompt[:-1]]
+    assert cache.stats()["tokens_stored"] == 0
+    assert caplog.records  # the failure was logged
+
+
+def test_unstorable_cache_is_logged_not_raised(caplog):
+    class Opaque:
+        nbytes = 3
+
+        def is_trimmable(self):
+            return False
+
+    cache = SharedPromptCache(backend="memory://")
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        cache.insert_cache(MODEL, [1, 2, 3], [Opaque()])
+    assert cache.stats()["store_errors"] == 1
+    assert "store failed" in caplog.text
+    assert len(cache) == 1  # the hot tier kept it
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_after_next_insert_runs_once_after_the_store(background):
+    cache = SharedPromptCache(backend="memory://", background=background)
+    seen = []
+    cache.after_next_insert(lambda: seen.append(len(list(cache.backend.keys("")))))
+    assert seen == []
+    cache.insert_cache(MODEL, [1, 2, 3], kv([1, 2, 3]))
+    cache.flush()
+    assert len(seen) == 1 and seen[0] > 0  # the records were there when it ran
+    cache.insert_cache(MODEL, [4, 5, 6], kv([4, 5, 6]))
+    cache.flush()
+    assert len(seen) == 1
+    cache.close()
+
+
+def test_background_stores_beside_fetches_on_another_thread(tmp_path):
+    """The server's shape: one thread inserts and fetches, the writer stores behind it."""
+    cache = SharedPromptCache(backend=f"file://{tmp_path}/c", background=True, max_pending=1)
+    prompts = [[500 + i] + list(range(i, i + 60)) for i in range(12)]
+    for p in prompts:
+        cache.fetch_nearest_cache(MODEL, p)
+        cache.insert_cache(MODEL, p + [1], kv(p + [1]))
+    cache.close()
+    other = SharedPromptCache(backend=f"file://{tmp_path}/c")
+    for p in prompts:
+        hit, rest = other.fetch_nearest_cache(MODEL, p)
+        assert rest == p[-1:] and rows(hit) == [float(t) for t in p[:-1]]
+    assert cache.stats()["store_errors"] == 0
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError):
+        SharedPromptCache(backend="nosuch://x")
+
+
+def test_a_longer_prefix_from_another_worker_beats_a_shorter_hot_one(tmp_path):
+    uri = f"file://{tmp_path}/c"
+    a = SharedPromptCache(backend=uri)
+    b = SharedPromptCache(backend=uri)
+    turn1 = list(range(1, 300))
+    b.insert_cache(MODEL, turn1, kv(turn1))  # b's hot tier: the first turn
+    turn2 = turn1 + list(range(400, 480))
+    a.fetch_nearest_cache(MODEL, turn2)
+    a.insert_cache(MODEL, turn2 + [9], kv(turn2 + [9]))  # a computed the second turn
+    turn3 = turn2 + [9, 10, 11]
+    hit, rest = b.fetch_nearest_cache(MODEL, turn3)
+    assert rest == [10, 11]
+    assert rows(hit) == [float(t) for t in turn2 + [9]]
+    assert b.stats()["backend_hits"] == 1
+    # when the shared tier has nothing longer, the hot tier answers and nothing is read
+    gets = b.backend.stats()["hits"]
+    other = turn1 + [77, 78, 79]
+    hit, rest = b.fetch_nearest_cache(MODEL, other)
+    assert rest == [77, 78, 79] and b.stats()["hot_hits"] == 1
+    assert b.backend.stats()["hits"] == gets
+
+
+def test_longest_bounds_lookup(tmp_path):
+    from mlxcache import PrefixCache
+
+    pc = PrefixCache("memory://", model="m", block_size=16)
+    tokens = list(range(100))
+    assert pc.longest(tokens) == 0
+    pc.store(tokens[:37], kv(tokens[:37]))
+    for probe in (tokens, tokens[:40], tokens[:37], tokens[:36], tokens[:20], [5] + tokens):
+        hit = pc.lookup(probe)
+        assert pc.longest(probe) == (hit.num_tokens if hit else 0)

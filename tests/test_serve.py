@@ -1,0 +1,251 @@
+"""``mlxcache serve``: mlx-lm's real HTTP server on a persistent, shared prompt cache.
+
+Each test starts ``mlxcache serve`` as a subprocess on a free loopback port with the tiny local
+model and talks to it with urllib, as any OpenAI client would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import mlx.core as mx
+import pytest
+from redis_server import RedisServer, free_port
+
+from mlxcache.tiny_models import build_tiny_lm
+
+CHAT = [{"role": "user", "content": "Tell me a story about a cat, a dog and a bird."}]
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    return str(build_tiny_lm(tmp_path_factory.mktemp("lm") / "tiny"))
+
+
+class Server:
+    """``mlxcache serve`` in a subprocess; its log goes to a file."""
+
+    def __init__(self, model: str, cache: str, log_path, *extra: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        args = [sys.executable, "-m", "mlxcache", "serve", "--model", model]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), "--cache", cache, *extra]
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"mlxcache serve did not start:\n{self.log()}")
+            time.sleep(0.2)
+
+    def chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int]:
+        """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion."""
+        body = json.dumps({"messages": messages, "max_tokens": max_tokens}).encode()
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.load(r)
+        usage = out["usage"]
+        text = out["choices"][0]["message"]["content"]
+        return text, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+
+    def stream_chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int]:
+        """The same over server-sent events, with the usage chunk at the end."""
+        body = {"messages": messages, "max_tokens": max_tokens, "stream": True}
+        body["stream_options"] = {"include_usage": True}
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        text, usage = [], None
+        with urllib.request.urlopen(req, timeout=120) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: ") :])
+                for choice in chunk.get("choices", []):
+                    text.append(choice.get("delta", {}).get("content") or "")
+                usage = chunk.get("usage") or usage
+        assert usage is not None
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        return "".join(text), usage["prompt_tokens"], cached
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: nothing flushes, nothing shuts down cleanly."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._log.close()
+
+
+@pytest.fixture
+def servers(tmp_path):
+    started: list[Server] = []
+
+    def start(model: str, cache: str, *extra: str) -> Server:
+        s = Server(model, cache, tmp_path / f"server{len(started)}.log", *extra)
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def test_repeat_then_restart_on_file_cache(tiny_lm, servers, tmp_path):
+    cache = f"file://{tmp_path}/cache"
+    first = servers(tiny_lm, cache)
+    cold, n, cached = first.chat()
+    assert cached == 0 and n > 10 and cold
+    # (a) the same request in the same process: everything but the last prompt token is reused
+    again, n2, cached = first.chat()
+    assert (again, n2) == (cold, n)
+    assert cached == n - 1
+    # (b) killed right after answering, restarted on the same folder: warm from the first request
+    first.kill()
+    second = servers(tiny_lm, cache)
+    warm, n3, cached = second.chat()
+    assert (warm, n3) == (cold, n)
+    assert cached == n - 1
+    assert "hot 0 entries" in second.log()  # a new process: it came from the folder
+    # streamed, the usage chunk reports the same
+    assert second.stream_chat() == (cold, n, n - 1)
+
+
+def test_two_servers_share_one_redis(tiny_lm, servers, redis_url):
+    a = servers(tiny_lm, redis_url)
+    b = servers(tiny_lm, redis_url)
+    text_a, n, cached = a.chat()
+    assert cached == 0
+    # (c) the second server never saw this prompt: it reuses what the first computed
+    text_b, n_b, cached_b = b.chat()
+    assert (text_b, n_b) == (text_a, n)
+    assert cached_b == n - 1
+    # a follow-up turn sent to the other server reuses the first turn
+    follow = CHAT + [
+        {"role": "assistant", "content": text_a},
+        {"role": "user", "content": "And then?"},
+    ]
+    text_f, n_f, cached_f = a.chat(follow)
+    assert n_f > n and cached_f > 0
+    _, _, cached_fb = b.chat(follow)
+    assert cached_fb == n_f - 1
+    # mlx-lm stores a system prompt as its own segment: a new conversation on the other
+    # server that shares it starts from it
+    system = {"role": "system", "content": "You are a storyteller who knows the hills and the sea."}
+    _, n_s, _ = a.chat([system, {"role": "user", "content": "A story about a cat."}])
+    _, n_t, cached_t = b.chat([system, {"role": "user", "content": "Now one about a bird."}])
+    assert 0 < cached_t < min(n_s, n_t) - 3
+
+
+def test_dead_redis_still_answers_uncached(tiny_lm, servers, tmp_path):
+    reference = servers(tiny_lm, "memory://").chat()[0]
+    dead = RedisServer()
+    url = dead.url
+    dead.close()  # nothing listens there now
+    s = servers(tiny_lm, url + "?timeout=0.5")
+    text, n, cached = s.chat()
+    assert text == reference and cached == 0
+    # the hot tier still works in the process
+    text2, _, cached2 = s.chat()
+    assert text2 == reference and cached2 == n - 1
+    assert "unreachable" in s.log() or "failed" in s.log()
+
+
+def test_hot_tier_holds_prompt_cache_bytes(tiny_lm, servers, tmp_path):
+    budget = 40_000  # a few of the tiny model's caches (about 11 KB each at 256 tokens)
+    s = servers(tiny_lm, f"file://{tmp_path}/cache", "--prompt-cache-bytes", str(budget))
+    prompts = [
+        [{"role": "user", "content": f"Story {i}: a cat over {i} hills."}] for i in range(50)
+    ]
+    for p in prompts:
+        s.chat(p, max_tokens=2)
+    s.chat([{"role": "user", "content": "one more, to log the state after the last"}], 2)
+    line = re.compile(r"mlxcache prompt cache: hot (\d+) entries (\d+) bytes \(max (\d+)\)")
+    seen = [(int(a), int(b), int(c)) for a, b, c in line.findall(s.log())]
+    assert len(seen) == 51
+    assert all(m == budget and b <= budget for _, b, m in seen)
+    assert max(e for e, _, _ in seen) >= 2  # it did hold several entries
+    # the first prompts left the hot tier long ago: the shared tier still has them
+    _, n, cached = s.chat(prompts[0], max_tokens=2)
+    assert cached == n - 1
+
+
+def test_without_mlx_lm_one_line_says_what_to_install():
+    code = (
+        "import sys\n"
+        "sys.modules['mlx_lm'] = None  # as if it were not installed\n"
+        "from mlxcache.cli import main\n"
+        "sys.exit(main(['serve', '--model', 'x']))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 1
+    assert run.stderr.strip().splitlines() == [
+        "mlxcache: error: mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
+    ]
+
+
+def test_bad_cache_uri_is_one_line():
+    args = [sys.executable, "-m", "mlxcache", "serve", "--cache", "nosuch://x", "--model", "m"]
+    run = subprocess.run(args, capture_output=True, text=True)
+    assert run.returncode == 1
+    assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr
+
+
+def test_the_end_of_a_response_waits_for_its_store():
+    from queue import Queue
+
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm_server import _HeldEnd
+
+    cache = SharedPromptCache(backend="memory://")
+    q: Queue = Queue()
+    held = _HeldEnd(q, cache, timeout=60)
+    held.put("a token")
+    held.put(None)  # the generation thread ends the response ...
+    assert q.get_nowait() == "a token" and q.empty()  # ... but it is held back
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+    cache.insert_cache(("m", None, None), [1, 2, 3], [c])  # ... until its cache is stored
+    assert q.get_nowait() is None and len(list(cache.backend.keys(""))) > 0
+    # without any insert (a failed request), the end still comes, after the timeout
+    held = _HeldEnd(q, SharedPromptCache(backend="memory://"), timeout=0.01)
+    held.put(None)
+    assert q.get(timeout=30) is None
+
+
+def test_help_lists_ours_then_mlx_lms_options():
+    run = subprocess.run(
+        [sys.executable, "-m", "mlxcache", "serve", "--help"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    ours, theirs = run.stdout.index("--cache CACHE"), run.stdout.index("--prompt-cache-bytes")
+    assert ours < theirs and "--model MODEL" in run.stdout
