@@ -446,9 +446,9 @@ def read_file(
     return _record(arrays, _with_meta(header).meta)
 
 
-def header_of(record: Record) -> Header:
+def header_of(record: Record, *, key: str | None = None, signer: Signer | None = None) -> Header:
     """The header :func:`encode` writes for ``record`` (for stores that hold records, not bytes)."""
-    head, views = encode(record)
+    head, views = encode(record, key=key, signer=signer)
     return parse_header(head, total_size=len(head) + sum(v.nbytes for v in views))
 
 

@@ -144,7 +144,7 @@ def test_redis_values_chunks_and_index_values(redis_url, value, chunks, field, i
         r.delete("mlxcache:{0}i:lru")
         r.set("mlxcache:{0}i:lru", index_value)  # even the wrong Redis type
     else:
-        r.hset(f"mlxcache:{where}", "k", index_value)
+        r.hset(f"mlxcache:{{0}}{where}", "k", index_value)
     good, k = b.get_many(["good", "k"])
     assert k is None or isinstance(k, Record)
     if field != "lru":
