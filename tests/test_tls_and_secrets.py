@@ -86,6 +86,7 @@ DOWN = f"redis://{USER}:{DOWN_PW}@127.0.0.1:{free_port()}/0?timeout=0.2"
         ["ls", DOWN],
         ["inspect", DOWN, "k", "--json"],
         ["copy", DOWN, "memory://"],
+        ["copy", "memory://", DOWN],
         ["gc", DOWN, "--max-bytes", "1MiB"],
         ["verify", DOWN, "--json"],
         ["rm", DOWN, "k"],
