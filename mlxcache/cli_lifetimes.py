@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Callable
 from typing import Any
 
 from mlxcache.cli_common import CLIError, check_reachable, errors, open_store, print_json
+from mlxcache.warm import load_prompts, warm
 
 
 def cmd_pin(args: argparse.Namespace) -> None:
@@ -25,8 +27,10 @@ def cmd_pin(args: argparse.Namespace) -> None:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    from mlxcache.warm import load_prompts, warm
-
+    try:
+        importlib.import_module("mlx_lm")
+    except ImportError as exc:
+        raise CLIError(f"mlxcache warm needs mlx_lm ({exc}): pip install 'mlxcache[lm]'") from None
     try:
         prompts = load_prompts(args.file)
     except (OSError, ValueError) as exc:
@@ -50,7 +54,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(add: Callable[..., Any]) -> None:
+def add_lifetime_commands(add: Callable[..., Any]) -> None:
     """Register the subcommands with ``add(name, func, help)`` of :func:`cli.build_parser`."""
     for name, on in (("pin", True), ("unpin", False)):
         what = (

@@ -32,7 +32,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
         check_reachable(backend, before, args.uri)
         if args.prometheus:
             try:  # prometheus_client is optional (the metrics extra)
-                from mlxcache.metrics import render
+                from mlxcache.metrics import render  # prometheus_client
             except ImportError as exc:
                 raise CLIError(str(exc)) from None
             sys.stdout.write(render(backend).decode())

@@ -22,7 +22,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from mlxcache.integrations.mlx_lm import prefill
+from mlxcache.model_id import model_identity
+from mlxcache.prefix import PrefixCache
 from mlxcache.progress import Progress
+from mlxcache.tiny_models import build_tiny_lm
+from mlxcache.uri import open_backend
 
 _FIELDS = {"model", "messages", "token_ids", "pin"}
 
@@ -74,14 +79,10 @@ class _Models:
 
     def get(self, name: str) -> tuple[Any, Any, str]:
         if name not in self._loaded:
-            import mlx_lm
-
-            from mlxcache.model_id import model_identity
+            import mlx_lm  # here: mlx-lm is an optional dependency (the lm extra)
 
             path = name
             if name == "tiny":
-                from mlxcache.tiny_models import build_tiny_lm
-
                 self._tmp = self._tmp or tempfile.TemporaryDirectory(prefix="mlxcache-warm-")
                 path = str(build_tiny_lm(Path(self._tmp.name) / "tiny"))
             elif not Path(path).is_dir():
@@ -120,10 +121,6 @@ def warm(
     templated, or the store failed while it was written (``stats()["errors"]`` grew). ``lines``
     gets one progress line per prompt; ``stream`` (a terminal) the progress bar.
     """
-    from mlxcache.integrations.mlx_lm import prefill
-    from mlxcache.prefix import PrefixCache
-    from mlxcache.uri import open_backend
-
     backend = open_backend(uri)
     models = _Models()
     caches: dict[str, PrefixCache] = {}

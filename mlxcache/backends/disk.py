@@ -633,8 +633,10 @@ class DiskBackend(BackendBase):
         return out
 
     def describe(self) -> dict[str, Any]:
+        signed_by = self.signer.key_id if self.signer else None  # a public id, not the secret
         return {
             "path": str(self.root),
+            "signed_by": signed_by,
             "ttl": self.ttl,
             "idle_ttl": self.idle_ttl,
             "pin_max_bytes": self.pin_max_bytes,

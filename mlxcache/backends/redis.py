@@ -542,6 +542,7 @@ class RedisBackend(BackendBase):
             "idle_ttl": self.idle_ttl,
             "pin_max_bytes": self.pin_max_bytes,
             "chunk_size": self.chunk_size,
+            "signed_by": self.signer.key_id if self.signer else None,  # a public key id
         }
 
     def _close(self) -> None:
