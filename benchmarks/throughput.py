@@ -320,10 +320,20 @@ def _allocator_rows(s: _Sizer, disk: Any, mx_save: Any, mx_load: Any) -> None:
         s.baseline(f"mx.load + eval{suffix}", get["load"], note=f"{tag}file in the page cache")
         if disk is None:
             continue
-        s.ours(f"file:// put{suffix}", put["put"], f"mx.save_safetensors + fsync{suffix}", 1.0,
-               note=tag.rstrip("; "))  # fmt: skip
-        s.ours(f"file:// get{suffix}", get["get"], f"mx.load + eval{suffix}", 1.0,
-               note=f"{tag}checksum verified")  # fmt: skip
+        s.ours(
+            f"file:// put{suffix}",
+            put["put"],
+            f"mx.save_safetensors + fsync{suffix}",
+            1.0,
+            note=tag.rstrip("; "),
+        )
+        s.ours(
+            f"file:// get{suffix}",
+            get["get"],
+            f"mx.load + eval{suffix}",
+            1.0,
+            note=f"{tag}checksum verified",
+        )
 
 
 def _serializer_rows(s: _Sizer) -> None:
