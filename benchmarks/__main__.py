@@ -1,7 +1,9 @@
-"""``python -m benchmarks``: throughput, prefix lookup, TTFT and peak memory, in one run.
+"""``python -m benchmarks``: throughput, prefix lookup, TTFT, peak memory, the mlx-lm server,
+the peers side by side and the growth curves, in one run.
 
-Prints a markdown table and writes the same rows as JSON (``--out``). ``--smoke`` runs tiny
-sizes in about ten seconds (used by tests/test_benchmarks_smoke.py; no timing is asserted).
+Prints markdown tables, writes the same rows as JSON (``--out``) and, for a full run of every
+section, rewrites the generated part of docs/performance.md (``--doc``). ``--smoke`` runs tiny
+sizes in about twenty seconds (tests/test_benchmarks_smoke.py; no timing is asserted).
 """
 
 from __future__ import annotations
@@ -17,8 +19,14 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "server")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "peers", "growth")
+DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
+VLLM_MLX_NOTE = (
+    "vllm-mlx is not measured: `pip install vllm-mlx` (0.6.0) requires mlx-lm<0.32 (this "
+    "benchmark runs mlx-lm 0.32) and pulls torch/torchvision, gradio and opencv; its SSD prefix "
+    "cache serves models it loads from the Hugging Face hub, which nothing here may download."
+)
 
 
 def _ints(text: str) -> list[int]:
@@ -62,6 +70,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="blocks stored for the file:// prefix lookup (default 2000: each put fsyncs)",
     )
     p.add_argument("--prompt-lengths", type=_ints, default=None, help="TTFT prompt lengths")
+    p.add_argument(
+        "--peer-lengths", type=_ints, default=None, help="APC vs PrefixCache prompt lengths"
+    )
+    p.add_argument(
+        "--growth-blocks",
+        type=_ints,
+        default=None,
+        help="stored-block counts of the lookup growth curve (default 1000,10000,100000,1000000)",
+    )
+    p.add_argument(
+        "--growth-budget",
+        type=float,
+        default=None,
+        help="seconds each backend may spend filling the growth curve's store (default 150)",
+    )
+    p.add_argument(
+        "--restore-lengths",
+        type=_ints,
+        default=None,
+        help="prompt lengths of the restore curve (default 1024,2048,4096,8192,16384,32768)",
+    )
+    p.add_argument(
+        "--restore-max-gb",
+        type=float,
+        default=None,
+        help="skip restore points whose KV is larger than this (default 2)",
+    )
+    p.add_argument(
+        "--doc",
+        default=None,
+        help=f"markdown file whose generated section is rewritten (default {DEFAULT_DOC} for a "
+        "full run of every section, none otherwise; 'none' to skip)",
+    )
     p.add_argument("--no-redis", action="store_true", help="skip everything that needs Redis")
     p.add_argument("--tmpdir", default=None, help="scratch folder (default: system temp)")
     return p
@@ -76,6 +117,16 @@ def main(argv: list[str] | None = None) -> int:
     lookup_disk = args.lookup_blocks_disk or (100 if smoke else 2000)
     prompt_lengths = args.prompt_lengths or ([32, 64] if smoke else [128, 512, 2048])
     rss_sizes = sizes[:1] if smoke else sizes
+    # prompt lengths that are not multiples of APC's 16-token blocks, plus one that is (256)
+    peer_lengths = args.peer_lengths or ([40] if smoke else [250, 256, 1000])
+    growth_blocks = args.growth_blocks or (
+        [100, 300] if smoke else [1000, 10_000, 100_000, 1_000_000]
+    )
+    growth_budget = args.growth_budget or (20.0 if smoke else 150.0)
+    restore_lengths = args.restore_lengths or (
+        [64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, 32768]
+    )
+    restore_max_gb = args.restore_max_gb or (0.1 if smoke else 2.0)
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))
     ctx = Context(repeat=repeat, tmpdir=scratch, smoke=smoke)
@@ -110,6 +161,18 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import lm_server
 
                 rows += lm_server.run(ctx)
+            elif section == "peers":
+                from benchmarks import peers_lm, peers_vlm
+
+                rows += peers_vlm.run(peer_lengths, ctx)
+                rows += peers_lm.run(256 if smoke else 2048, ctx)
+                ctx.note(VLLM_MLX_NOTE)
+            elif section == "growth":
+                from benchmarks import growth
+
+                rows += growth.run(
+                    growth_blocks, restore_lengths, growth_budget, restore_max_gb, ctx
+                )
             print(f"[{section}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     finally:
         if server is not None:
@@ -125,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         "lookup_blocks_disk": lookup_disk,
         "prompt_lengths": prompt_lengths,
         "rss_sizes": rss_sizes,
+        "peer_lengths": peer_lengths,
+        "growth_blocks": growth_blocks,
+        "growth_budget": growth_budget,
+        "restore_lengths": restore_lengths,
+        "restore_max_gb": restore_max_gb,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
@@ -133,6 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     print(report.markdown(rows, ctx.notes))
     report.write_json(args.out, report.document(rows, machine, config, ctx.notes))
     print(f"wrote {args.out} ({config['seconds']} s)", file=sys.stderr)
+    doc = args.doc
+    if doc is None and not smoke and list(args.only) == list(SECTIONS):
+        doc = DEFAULT_DOC
+    if doc and doc != "none":
+        from benchmarks import docgen
+
+        docgen.update(doc, rows, machine, config, ctx.notes)
+        print(f"rewrote the generated section of {doc}", file=sys.stderr)
     return 0
 
 

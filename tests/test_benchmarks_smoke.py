@@ -23,6 +23,7 @@ def _importable(module: str) -> bool:
 
 def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
     out = tmp_path / "latest.json"
+    doc_before = (ROOT / "docs" / "performance.md").read_bytes()
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--smoke", "--out", str(out)],
@@ -34,6 +35,7 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "| op |" in done.stdout  # the markdown table is printed
+    assert (ROOT / "docs" / "performance.md").read_bytes() == doc_before  # smoke: docs untouched
 
     doc = json.loads(out.read_text())
     assert doc["config"]["smoke"] is True
@@ -65,6 +67,10 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
         expected |= {
             ("throughput", "file:// put"),
             ("throughput", "file:// get"),
+            ("throughput", "file:// put, cold allocator"),
+            ("throughput", "file:// get, cold allocator"),
+            ("throughput", "mx.load + eval, cold allocator"),
+            ("throughput", "mx.save_safetensors + fsync, cold allocator"),
             ("rss", "file:// put"),
             ("rss", "file:// get"),
         }
@@ -81,12 +87,40 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("server", "mlx_lm.server warm, same process"),
             ("server", "mlxcache serve warm, new process (file://)"),
         }
+    if _importable("mlx_vlm.apc") and _importable("mlxcache.integrations.mlx_vlm"):
+        expected |= {
+            ("peers", "APC warm, same process"),
+            ("peers", "APC warm, new process (disk)"),
+            ("peers", "mlxcache memory:// warm, same process"),
+            ("peers", "mlxcache file:// warm, new process"),
+            ("peers", "APC flipped byte, new process"),
+            ("peers", "mlxcache file:// flipped byte, new process"),
+            ("peers", "APC bytes on disk per token"),
+        }
+    if _importable("mlxcache.integrations.mlx_lm_prompt_cache"):
+        expected |= {
+            ("peers", "mlx-lm LRUPromptCache fetch_nearest_cache"),
+            ("peers", "SharedPromptCache (memory://) fetch_nearest_cache"),
+            ("peers", "file:// get + load_prompt_cache + eval"),
+        }
+    if _importable("mlxcache.prefix"):
+        expected |= {
+            ("growth", "memory:// lookup (hit)"),
+            ("growth", "restore Qwen2.5-7B memory://"),
+            ("growth", "break-even Qwen2.5-7B memory:// vs M2 Max, 7B Q4_0"),
+        }
     missing = expected - names
     assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
 
+    # a flipped byte on disk must never come back as a silent hit in our cache
+    ours_flip = [r for r in rows if r["name"] == "mlxcache file:// flipped byte, new process"]
+    assert all(r["met"] for r in ours_flip), ours_flip
     for row in rows:
         stats = row["stats"]
         assert stats is not None and stats["runs"] >= 1, row
+        if row["name"].startswith("break-even"):  # "never" is infinite
+            assert stats["median"] >= 0, row
+            continue
         assert math.isfinite(stats["median"]) and stats["median"] >= 0, row
         assert stats["min"] <= stats["median"] <= stats["max"], row
         if row["ratio"] is not None:
