@@ -23,9 +23,10 @@ SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "peers", "growth")
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
 VLLM_MLX_NOTE = (
-    "vllm-mlx is not measured: `pip install vllm-mlx` (0.6.0) requires mlx-lm<0.32 (this "
-    "benchmark runs mlx-lm 0.32) and pulls torch/torchvision, gradio and opencv; its SSD prefix "
-    "cache serves models it loads from the Hugging Face hub, which nothing here may download."
+    "vllm-mlx is not measured: vllm-mlx 0.6.0 (the version on the package index here) requires "
+    "mlx-lm<0.32, while this benchmark and mlxcache's tests run mlx-lm 0.32, and it pulls "
+    "torch/torchvision, gradio and opencv; its SSD prefix cache (vllm_mlx/ssd_cache.py) runs "
+    "inside its own engine, so measuring it needs a second environment, not done here."
 )
 
 
