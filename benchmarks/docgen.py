@@ -217,3 +217,35 @@ def update(
     else:
         text = text.rstrip("\n") + "\n\n## Latest generated run\n\n" + block + "\n"
     path.write_text(text)
+
+
+def rows_from_json(doc: dict[str, Any]) -> list[Row]:
+    """The rows of a JSON document written by ``python -m benchmarks``."""
+    from benchmarks.common import Stats
+
+    out = []
+    for r in doc["rows"]:
+        r = dict(r)
+        r["stats"] = Stats(**r["stats"]) if r.get("stats") else None
+        out.append(Row(**r))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.docgen RESULTS.json [DOC]``: rewrite DOC's generated section from a
+    saved run (default docs/performance.md), without measuring again."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.docgen", description=main.__doc__)
+    p.add_argument("results", help="JSON written by python -m benchmarks (--out)")
+    p.add_argument("doc", nargs="?", default="docs/performance.md")
+    args = p.parse_args(argv)
+    doc = json.loads(Path(args.results).read_text())
+    update(args.doc, rows_from_json(doc), doc["machine"], doc["config"], doc["notes"])
+    print(f"rewrote the generated section of {args.doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
