@@ -19,7 +19,7 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "peers", "growth")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed", "scale", "peers", "growth")
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
 VLLM_MLX_NOTE = (
@@ -128,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         [64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, 32768]
     )
     restore_max_gb = args.restore_max_gb or (0.1 if smoke else 2.0)
+    scale_sizes = sizes[:1] if smoke else [n for n in (512, 4096) if n in sizes] or sizes[:2]
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))
     ctx = Context(repeat=repeat, tmpdir=scratch, smoke=smoke)
@@ -174,6 +175,14 @@ def main(argv: list[str] | None = None) -> int:
                 rows += growth.run(
                     growth_blocks, restore_lengths, growth_budget, restore_max_gb, ctx
                 )
+            elif section == "signed":
+                from benchmarks import signed
+
+                rows += signed.run(sizes[-1:], ctx)
+            elif section == "scale":
+                from benchmarks import scale
+
+                rows += scale.run(scale_sizes, ctx)
             print(f"[{section}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     finally:
         if server is not None:
@@ -194,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         "growth_budget": growth_budget,
         "restore_lengths": restore_lengths,
         "restore_max_gb": restore_max_gb,
+        "scale_sizes": scale_sizes,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

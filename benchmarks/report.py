@@ -12,6 +12,7 @@ TITLES = {
     "throughput": "Put / get throughput (ratio = baseline time / our time, > 1 = faster)",
     "lookup": "Prefix lookup latency",
     "ttft": "Time to first token, cold vs warm (ratio = cold / warm, > 1 = faster)",
+    "scale": "Background stores, tiers, Redis Cluster (ratio = baseline / ours, > 1 = faster)",
     "rss": "Peak extra memory during put / get (ratio = extra RSS / payload, lower is better)",
 }
 

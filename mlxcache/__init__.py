@@ -1,7 +1,7 @@
 """mlxcache: persistent, shareable prefix caches for MLX vision-language inference."""
 
 from mlxcache.backends.base import CacheBackend
-from mlxcache.errors import FormatError, UnsupportedVersionError
+from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
 from mlxcache.model_id import model_identity
 from mlxcache.prefix import PrefixCache, PrefixHit
 from mlxcache.record import Record
@@ -22,6 +22,7 @@ __all__ = [
     "PrefixHit",
     "Record",
     "UnsupportedVersionError",
+    "UntrustedRecordError",
     "model_identity",
     "cache_nbytes",
     "dump_prompt_cache",

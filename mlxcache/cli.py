@@ -12,7 +12,7 @@ from typing import Any
 from mlxcache import format as fmt
 from mlxcache.backends.base import CacheBackend
 from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS, run_demo
-from mlxcache.options import parse_size
+from mlxcache.options import parse_size, redact_uri
 from mlxcache.progress import Progress
 from mlxcache.uri import open_backend
 
@@ -36,7 +36,7 @@ def _check_reachable(backend: CacheBackend, before: int, uri: str) -> None:
     """The backends turn store failures into misses; the CLI turns them back into an error."""
     if _errors(backend) > before:
         cause = getattr(backend, "last_error", None) or "unreachable or unreadable"
-        raise CLIError(f"the cache at {uri} failed: {cause}")
+        raise CLIError(f"the cache at {redact_uri(uri)} failed: {cause}")
 
 
 def _print_json(obj: Any) -> None:
@@ -117,7 +117,7 @@ def cmd_clear(args: argparse.Namespace) -> None:
     if not args.yes:
         if not sys.stdin.isatty():
             raise CLIError("refusing to clear without --yes (no terminal to ask on)")
-        answer = input(f"Delete every entry in {args.uri}? [y/N] ")
+        answer = input(f"Delete every entry in {redact_uri(args.uri)}? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             raise CLIError("not cleared")
     with _open(args.uri) as backend:
@@ -175,30 +175,43 @@ def cmd_copy(args: argparse.Namespace) -> None:
         print(f"copied {copied} of {len(keys)} entries")
 
 
+def _failures(backend: CacheBackend) -> int:
+    stats = backend.stats()
+    return int(stats.get("errors", 0)) + int(stats.get("rejected", 0))
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Read every record (the backends verify each checksum) and report the bad ones."""
+    """Read every record (the backends verify each checksum, or MAC with a secret) and report
+    the bad ones with why: corrupt, unsigned, forged or signed with a secret not accepted."""
     bad: list[str] = []
+    why: dict[str, str] = {}
     with _open(args.uri) as backend:
+        listed = _errors(backend)
         keys = sorted(backend.keys(args.prefix))
+        _check_reachable(backend, listed, args.uri)  # an unreachable store is not "0 bad"
         with Progress("verify", len(keys)) as bar:
             for key in keys:
-                before = _errors(backend)
-                if backend.get(key) is None and _errors(backend) > before:
+                before = _failures(backend)
+                if backend.get(key) is None and _failures(backend) > before:
                     bad.append(key)
+                    why[key] = str(getattr(backend, "last_error", None) or "unreadable")
                 bar.advance()
     if args.json:
-        _print_json({"checked": len(keys), "bad": bad})
+        _print_json({"checked": len(keys), "bad": bad, "reasons": why})
     else:
         print(f"checked {len(keys)} entries, {len(bad)} bad")
         for key in bad:
-            print(f"bad: {key}")
+            print(f"bad: {key}: {why[key]}")
     return 1 if bad else 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     if args.prompt_tokens < 64 or args.max_tokens < 1:
         raise CLIError("--prompt-tokens must be >= 64 and --max-tokens >= 1")
+    if args.model_kind == "lm":
+        from mlxcache.demo_lm import run_lm_demo
 
+        return run_lm_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
     return run_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
 
 
@@ -255,6 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prompt-tokens", type=int, default=DEFAULT_PROMPT_TOKENS, help="prompt length"
     )
     sp.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="tokens to generate")
+    sp.add_argument(
+        "--model-kind",
+        choices=("vlm", "lm"),
+        default="vlm",
+        help="vlm: cached generation with a tiny VLM; lm: mlxcache serve with a tiny llama",
+    )
     sp = add("serve", cmd_serve, "mlx-lm's OpenAI-compatible server on a persistent prompt cache")
     sp.add_argument("server_args", nargs=argparse.REMAINDER, help="see mlxcache serve --help")
     sp = add("import", cmd_import, "store an mlx-lm prompt-cache file as one record")
@@ -294,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("dst")
     sp.add_argument("--prefix", default="")
     sp.add_argument("--json", action="store_true")
-    sp = add("verify", cmd_verify, "check every record's checksum; exit 1 if any is bad")
+    sp = add("verify", cmd_verify, "check every record (checksum, or MAC); exit 1 if any is bad")
     sp.add_argument("uri")
     sp.add_argument("--prefix", default="")
     sp.add_argument("--json", action="store_true")

@@ -7,3 +7,12 @@ class FormatError(ValueError):
 
 class UnsupportedVersionError(FormatError):
     """A record written by a newer (or unknown) mlxcache format version."""
+
+
+class UntrustedRecordError(FormatError):
+    """A record without a valid MAC for this cache's secret: unsigned, forged, replayed from
+    another key, or signed with a secret this reader does not accept."""
+
+
+class RecordTooLargeError(ValueError):
+    """A record whose header (metadata and tensor table) is over the format's size limit."""

@@ -10,10 +10,13 @@ to disk or Redis straight from their buffers (bf16 included) and every read is v
 from __future__ import annotations
 
 import base64
+import binascii
 import bisect
+import dataclasses
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,16 +24,27 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-import xxhash
 
 from mlxcache import meta as meta_codec
-from mlxcache.errors import FormatError, UnsupportedVersionError
+from mlxcache.digests import FORMAT_VERSION, digest, vcheck, verify
+from mlxcache.digests import checksum as _checksum  # noqa: F401 - tests forge with it
+from mlxcache.digests import vcheck as _vcheck  # noqa: F401
+from mlxcache.errors import (
+    FormatError,
+    RecordTooLargeError,
+    UnsupportedVersionError,
+)
 from mlxcache.record import Record
+from mlxcache.signing import MAC_ALGO, Signer
 
 FORMAT_NAME = "mlxcache"
-FORMAT_VERSION = 1
-CHECKSUM_ALGO = "xxh3_128"
-MAX_HEADER_BYTES = 64 * 1024 * 1024
+# Bounds no real record approaches (docs/reliability.md): the largest real header we build is
+# about 1.5 MB (a 100-layer quantized cache with a 128k-token prompt in its metadata).
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_TENSORS = 65536  # a 100-layer quantized cache has 600
+MAX_RANK = 32  # cache tensors have rank <= 5
+MAX_DIM = 2**31 - 1  # MLX shapes are 32-bit
+MAX_ELEMENTS = 2**48
 
 # mx dtype -> (safetensors dtype, numpy carrier of the same item size, needs .view after load)
 _DTYPES: dict[Any, tuple[str, Any]] = {
@@ -67,7 +81,7 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Header:
-    """Everything about a stored record except its tensor bytes."""
+    """Everything about a stored record except its tensor bytes (checked, not yet verified)."""
 
     version: int
     meta: dict[str, Any]
@@ -76,6 +90,7 @@ class Header:
     data_offset: int  # where tensor bytes start in the blob
     data_size: int
     meta_bytes: bytes
+    mac: str | None = None  # "blake3:<key id>:<hex>" when the writer had a secret
 
     @property
     def total_size(self) -> int:
@@ -92,17 +107,17 @@ def _contiguous(arrays: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
-def _checksum(meta_bytes: bytes, table: list[TensorInfo], buffers: Iterator[memoryview]) -> str:
-    h = xxhash.xxh3_128()
-    h.update(meta_bytes)
-    h.update(meta_codec.pack([[t.name, t.dtype, list(t.shape), t.begin, t.end] for t in table]))
-    for buf in buffers:
-        h.update(buf)
-    return f"{CHECKSUM_ALGO}:{h.hexdigest()}"
+def encode(
+    record: Record, *, key: str | None = None, signer: Signer | None = None
+) -> tuple[bytes, list[memoryview]]:
+    """Header bytes plus the tensor buffers to write after it (no copy of tensor data).
 
-
-def encode(record: Record) -> tuple[bytes, list[memoryview]]:
-    """Header bytes plus the tensor buffers to write after it (no copy of tensor data)."""
+    With a ``signer`` the record carries a MAC bound to ``key`` (its cache key, required).
+    A header over ``MAX_HEADER_BYTES`` (metadata far beyond any real record) is a
+    RecordTooLargeError (a ValueError).
+    """
+    if signer is not None and not isinstance(key, str):
+        raise TypeError("a signed record needs its cache key (key=str)")
     arrays = _contiguous(dict(record.arrays))
     meta_bytes = meta_codec.pack(dict(record.meta))
     table: list[TensorInfo] = []
@@ -117,14 +132,24 @@ def encode(record: Record) -> tuple[bytes, list[memoryview]]:
         )
         views.append(view)
         offset += a.nbytes
-    header: dict[str, Any] = {
-        "__metadata__": {
-            "format": FORMAT_NAME,
-            "format_version": str(FORMAT_VERSION),
-            "meta": base64.b64encode(meta_bytes).decode("ascii"),
-            "checksum": _checksum(meta_bytes, table, iter(views)),
-        }
+    checksum, mac = digest(
+        meta_bytes,
+        table,
+        views,
+        checksum=True,
+        mac=None if signer is None else signer.hasher(),
+        key=key or "",
+    )
+    info: dict[str, str] = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "meta": base64.b64encode(meta_bytes).decode("ascii"),
+        "checksum": checksum,  # type: ignore[dict-item]
     }
+    if signer is not None:
+        info["mac"] = f"{MAC_ALGO}:{signer.key_id}:{mac}"
+    info["vcheck"] = vcheck(info["format_version"], info["checksum"], info.get("mac", ""))
+    header: dict[str, Any] = {"__metadata__": info}
     for t in table:
         header[t.name] = {
             "dtype": t.dtype,
@@ -133,81 +158,154 @@ def encode(record: Record) -> tuple[bytes, list[memoryview]]:
         }
     text = json.dumps(header, separators=(",", ":")).encode("utf-8")
     text += b" " * (-(len(text) + 8) % 8)  # safetensors pads the header to 8 bytes
+    if len(text) > MAX_HEADER_BYTES:
+        raise RecordTooLargeError(
+            f"record header is {len(text)} bytes, over the {MAX_HEADER_BYTES}-byte limit: "
+            "its metadata or tensor table is far larger than any cache record"
+        )
     return struct.pack("<Q", len(text)) + text, views
 
 
-def to_bytes(record: Record) -> bytes:
+def to_bytes(record: Record, *, key: str | None = None, signer: Signer | None = None) -> bytes:
     """The whole record as one safetensors blob (one copy of the tensor bytes)."""
-    head, views = encode(record)
+    head, views = encode(record, key=key, signer=signer)
     return b"".join([head, *views])
 
 
 # ---------------------------------------------------------------- reading
 
 
+def _header_length(first: bytes | memoryview) -> int:
+    if len(first) < 8:
+        raise FormatError("too short for a safetensors header")
+    (n,) = struct.unpack("<Q", bytes(first[:8]))
+    if n > MAX_HEADER_BYTES:
+        raise FormatError(f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
+    return n
+
+
+def _version(info: dict[str, Any]) -> int:
+    """The format version, if it is ours; a newer one only with a valid version check."""
+    raw = info.get("format_version")
+    if not isinstance(raw, str) or not re.fullmatch(r"[0-9]{1,9}", raw):
+        raise FormatError(f"bad format version {raw!r:.40}")
+    version = int(raw)
+    if version == FORMAT_VERSION:
+        return version
+    parts = [info.get("checksum"), info.get("mac", ""), info.get("vcheck")]
+    if all(isinstance(p, str) for p in parts) and parts[2] == vcheck(raw, parts[0], parts[1]):
+        raise UnsupportedVersionError(
+            f"record format version {version}; this mlxcache reads version {FORMAT_VERSION}"
+        )
+    raise FormatError(f"format version {raw!r} without a valid version check: corrupt")
+
+
+def _tensor(name: str, spec: Any) -> TensorInfo:
+    if not isinstance(spec, dict):
+        raise FormatError(f"tensor {name!r:.80} has no spec")
+    dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+    if type(dtype) is not str or dtype not in _BY_NAME:
+        raise FormatError(f"tensor {name!r:.80} has unknown dtype {dtype!r:.40}")
+    if not (
+        type(shape) is list
+        and len(shape) <= MAX_RANK
+        and all(type(d) is int and 0 <= d <= MAX_DIM for d in shape)
+        and math.prod(d for d in shape if d) <= MAX_ELEMENTS
+    ):
+        raise FormatError(f"tensor {name!r:.80} has a bad shape {shape!r:.80}")
+    if not (type(offsets) is list and len(offsets) == 2 and all(type(x) is int for x in offsets)):
+        raise FormatError(f"tensor {name!r:.80} has bad data_offsets {offsets!r:.80}")
+    return TensorInfo(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
 def parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> Header:
     """Parse and check the header at the start of a blob; tensor bytes are not touched.
 
     ``prefix`` must hold at least the 8-byte length and the JSON header. ``total_size`` is the
-    size of the whole blob when known, so a truncated one is caught here.
+    size of the whole blob when known, so a truncated one is caught here. Any malformed,
+    inconsistent or oversized input is a FormatError (UnsupportedVersionError for a genuine
+    newer format), in time and memory proportional to the header.
     """
-    if len(prefix) < 8:
-        raise FormatError("too short for a safetensors header")
-    (n,) = struct.unpack("<Q", bytes(prefix[:8]))
-    if n > MAX_HEADER_BYTES or len(prefix) < 8 + n:
+    return _with_meta(_parse_header(prefix, total_size))
+
+
+def _with_meta(header: Header) -> Header:
+    """The header with its metadata decoded (after the checksum or MAC, when reading data)."""
+    meta = meta_codec.unpack(header.meta_bytes)
+    if not isinstance(meta, dict):
+        raise FormatError("record metadata is not a map")
+    return dataclasses.replace(header, meta=meta)
+
+
+def _parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> Header:
+    """:func:`parse_header` without decoding the metadata bytes (``meta`` is left empty)."""
+    n = _header_length(prefix)
+    if len(prefix) < 8 + n or (total_size is not None and total_size < 8 + n):
         raise FormatError(f"header length {n} does not fit the data")
+    raw = bytes(prefix[8 : 8 + n])
+    if raw.count(b"{") > MAX_TENSORS + 2 or raw.count(b"[") > 2 * MAX_TENSORS + 2:
+        raise FormatError(f"header lists more than {MAX_TENSORS} tensors")
     try:
-        header = json.loads(bytes(prefix[8 : 8 + n]))
-        info = header.pop("__metadata__")
-        if info.get("format") != FORMAT_NAME:
-            raise FormatError(f"not an mlxcache record (format={info.get('format')!r})")
-        version = int(info["format_version"])
-        if version > FORMAT_VERSION or version < 1:
-            raise UnsupportedVersionError(
-                f"record format version {version}; this mlxcache reads up to {FORMAT_VERSION}"
-            )
-        meta_bytes = base64.b64decode(info["meta"], validate=True)
-        meta = meta_codec.unpack(meta_bytes)
-        checksum = str(info["checksum"])
-        tensors = []
-        for name, spec in header.items():
-            begin, end = (int(x) for x in spec["data_offsets"])
-            shape = tuple(spec["shape"])
-            if not all(type(d) is int and d >= 0 for d in shape):
-                raise FormatError(f"tensor {name!r} has a bad shape {spec['shape']!r}")
-            tensors.append(TensorInfo(name, str(spec["dtype"]), shape, begin, end))
-    except FormatError:
-        raise
-    except Exception as exc:  # any malformed JSON/base64/msgpack/field is foreign data
-        raise FormatError(f"malformed header: {exc}") from exc
-    tensors.sort(key=lambda t: (t.begin, t.end))
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise FormatError(f"malformed header JSON: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
+        raise FormatError("not an mlxcache record (no __metadata__)")
+    info = header.pop("__metadata__")
+    if info.get("format") != FORMAT_NAME:
+        raise FormatError(f"not an mlxcache record (format={info.get('format')!r:.40})")
+    version = _version(info)
+    checksum, mac, meta_b64 = info.get("checksum"), info.get("mac"), info.get("meta")
+    if not isinstance(checksum, str) or not isinstance(meta_b64, str):
+        raise FormatError("header lacks its checksum or metadata")
+    if mac is not None and not isinstance(mac, str):
+        raise FormatError("header has a malformed MAC field")
+    try:
+        meta_bytes = base64.b64decode(meta_b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise FormatError(f"malformed metadata base64: {exc}") from None
+    tensors = sorted((_tensor(k, v) for k, v in header.items()), key=lambda t: (t.begin, t.end))
     expected = 0
     for t in tensors:
-        if t.dtype not in _BY_NAME:
-            raise FormatError(f"tensor {t.name!r} has unknown dtype {t.dtype!r}")
         itemsize = np.dtype(_BY_NAME[t.dtype][1]).itemsize
         if t.begin != expected or t.end - t.begin != itemsize * math.prod(t.shape):
-            raise FormatError(f"tensor {t.name!r} has inconsistent offsets")
+            raise FormatError(f"tensor {t.name!r:.80} has inconsistent offsets")
         expected = t.end
     data_offset = 8 + n
     if total_size is not None and total_size != data_offset + expected:
         raise FormatError(f"size is {total_size} bytes, header says {data_offset + expected}")
-    if not isinstance(meta, dict):
-        raise FormatError("record metadata is not a map")
-    return Header(version, meta, tuple(tensors), checksum, data_offset, expected, meta_bytes)
+    return Header(version, {}, tuple(tensors), checksum, data_offset, expected, meta_bytes, mac)
 
 
 def _array_from_buffer(t: TensorInfo, buf: memoryview | bytes) -> mx.array:
     """The tensor from exactly its bytes; ``mx.array`` copies, so it never aliases ``buf``."""
     dtype, carrier = _BY_NAME[t.dtype]
-    a = mx.array(np.frombuffer(buf, dtype=carrier).reshape(t.shape))
-    return a.view(dtype) if t.dtype in _VIEWED else a
+    try:
+        a = mx.array(np.frombuffer(buf, dtype=carrier).reshape(t.shape))
+    except ValueError as exc:
+        raise FormatError(f"tensor {t.name!r:.80} cannot be built: {exc}") from None
+    a = a.view(dtype) if t.dtype in _VIEWED else a
+    _check_array(t, a)
+    return a
 
 
-def _verify(header: Header, buffers: Iterator[memoryview]) -> None:
-    actual = _checksum(header.meta_bytes, list(header.tensors), buffers)
-    if actual != header.checksum:
-        raise FormatError("checksum mismatch: the record is corrupt")
+def _check_array(t: TensorInfo, a: mx.array | None) -> None:
+    """A loaded array must be exactly what the verified header says (shape, dtype, bytes)."""
+    if (
+        a is None
+        or tuple(a.shape) != t.shape
+        or a.dtype != _BY_NAME[t.dtype][0]
+        or a.nbytes != t.end - t.begin
+    ):
+        got = None if a is None else (tuple(a.shape), str(a.dtype))
+        raise FormatError(f"tensor {t.name!r:.80} loaded as {got}, header says {t.shape}")
+
+
+def _record(arrays: dict[str, mx.array], meta: dict[str, Any]) -> Record:
+    try:
+        return Record(arrays=arrays, meta=meta)
+    except (TypeError, ValueError) as exc:  # e.g. metadata nested deeper than msgpack packs
+        raise FormatError(f"not a valid record: {exc}") from None
 
 
 class _Chunks:
@@ -247,24 +345,35 @@ class _Chunks:
 
 
 def from_buffers(
-    chunks: Sequence[bytes | bytearray | memoryview], *, consume: bool = False
+    chunks: Sequence[bytes | bytearray | memoryview],
+    *,
+    consume: bool = False,
+    key: str | None = None,
+    signer: Signer | None = None,
 ) -> Record:
     """Decode and verify a blob given as consecutive buffers (e.g. Redis chunks), unjoined.
 
-    The checksum streams over the buffers; each tensor is built from a view of the buffer that
-    holds it, and only a tensor (or header) that straddles a boundary is copied to join it.
+    The checksum (or MAC) streams over the buffers; each tensor is built from a view of the
+    buffer that holds it, and only a tensor (or header) that straddles a boundary is copied.
     With ``consume=True`` the caller hands over ``chunks`` (a list): each entry is set to None
     once its bytes are in the arrays, so peak memory is one record plus a chunk, not two.
+    With a ``signer`` only a record signed for ``key`` with an accepted secret is returned
+    (else UntrustedRecordError). Any other bad input is a FormatError.
     """
     blob = _Chunks(chunks)
-    if blob.size < 8:
-        raise FormatError("too short for a safetensors header")
-    (n,) = struct.unpack("<Q", bytes(blob.span(0, 8)))
-    if n > MAX_HEADER_BYTES or blob.size < 8 + n:
+    n = _header_length(blob.span(0, min(8, blob.size)))
+    if blob.size < 8 + n:
         raise FormatError(f"header length {n} does not fit the data")
-    header = parse_header(blob.span(0, 8 + n), total_size=blob.size)
+    # metadata is decoded only once the checksum or MAC holds: a forged header costs one hash
+    header = _parse_header(blob.span(0, 8 + n), total_size=blob.size)
     base = header.data_offset
-    _verify(header, (p for t in header.tensors for p in blob.pieces(base + t.begin, base + t.end)))
+
+    def buffers() -> Iterator[memoryview]:
+        for t in header.tensors:
+            yield from blob.pieces(base + t.begin, base + t.end)
+
+    verify(header, buffers, key, signer)
+    header = _with_meta(header)
     arrays = {}
     for t in header.tensors:
         arrays[t.name] = _array_from_buffer(t, blob.span(base + t.begin, base + t.end))
@@ -272,12 +381,17 @@ def from_buffers(
             mx.eval(arrays[t.name])
             blob.release(base + t.end, chunks)  # type: ignore[arg-type]
     mx.eval(list(arrays.values()))
-    return Record(arrays=arrays, meta=header.meta)
+    return _record(arrays, header.meta)
 
 
-def from_bytes(blob: bytes | bytearray | memoryview) -> Record:
+def from_bytes(
+    blob: bytes | bytearray | memoryview,
+    *,
+    key: str | None = None,
+    signer: Signer | None = None,
+) -> Record:
     """Decode and verify a blob written by :func:`to_bytes`."""
-    return from_buffers([blob])
+    return from_buffers([blob], key=key, signer=signer)
 
 
 def header_bytes_needed(prefix: bytes) -> int:
@@ -289,28 +403,47 @@ def header_bytes_needed(prefix: bytes) -> int:
 
 def read_header(path: str | os.PathLike) -> Header:
     """Read only the header of a record file (cheap: tensor bytes stay on disk)."""
+    return _with_meta(_read_header(path))
+
+
+def _read_header(path: str | os.PathLike) -> Header:
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         first = f.read(8)
-        if len(first) < 8:
-            raise FormatError("file too short")
-        (n,) = struct.unpack("<Q", first)
-        if n > MAX_HEADER_BYTES:
-            raise FormatError(f"header length {n} is implausible")
-        return parse_header(first + f.read(n), total_size=size)
+        n = _header_length(first)
+        if size < 8 + n:
+            raise FormatError(f"header length {n} does not fit the file ({size} bytes)")
+        return _parse_header(first + f.read(n), total_size=size)
 
 
-def read_file(path: str | os.PathLike) -> Record:
-    """Load and verify a record file; tensors are read by ``mx.load`` straight into arrays."""
-    header = read_header(path)
+def read_file(
+    path: str | os.PathLike, *, key: str | None = None, signer: Signer | None = None
+) -> Record:
+    """Load and verify a record file; tensors are read by ``mx.load`` straight into arrays.
+
+    Every loaded array is checked against the parsed header (shape, dtype, byte size) before
+    the checksum or MAC is verified over its bytes. A file that cannot be opened raises
+    OSError; anything unreadable in it is a FormatError.
+    """
+    header = _read_header(path)
     if any(t.dtype in _NOT_MX_LOADABLE for t in header.tensors):
         with open(path, "rb") as f:
-            return from_bytes(f.read())
-    loaded = mx.load(str(path)) if header.tensors else {}
-    arrays = {t.name: loaded[t.name] for t in header.tensors}
-    mx.eval(list(arrays.values()))
-    _verify(header, (_raw_view(arrays[t.name]) for t in header.tensors))
-    return Record(arrays=arrays, meta=header.meta)
+            return from_bytes(f.read(), key=key, signer=signer)
+    try:
+        loaded = mx.load(str(path)) if header.tensors else {}
+        if not isinstance(loaded, dict) or set(loaded) != {t.name for t in header.tensors}:
+            raise FormatError("the file's tensors differ from its header")
+        arrays = {t.name: loaded[t.name] for t in header.tensors}
+        mx.eval(list(arrays.values()))
+    except (RuntimeError, ValueError) as exc:
+        if not isinstance(exc, FormatError):
+            os.close(os.open(path, os.O_RDONLY))  # still openable: the contents are bad
+            exc = FormatError(f"unreadable tensor data: {exc}")
+        raise exc from None
+    for t in header.tensors:
+        _check_array(t, arrays[t.name])
+    verify(header, lambda: (_raw_view(arrays[t.name]) for t in header.tensors), key, signer)
+    return _record(arrays, _with_meta(header).meta)
 
 
 def header_of(record: Record) -> Header:

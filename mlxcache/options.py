@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import urlsplit
 
 _UNITS = {
     "": 1, "b": 1,
@@ -35,6 +36,36 @@ def parse_size(value: str | int | float) -> int:
     return int(size)
 
 
+_SENSITIVE = re.compile(r"pass|secret|token|credential|auth", re.IGNORECASE)
+
+
+def is_sensitive(name: str) -> bool:
+    """Whether an option's value must never be shown (``password``, ``token``...).
+
+    ``secret_env`` names a variable, not a secret, so it is shown.
+    """
+    return bool(_SENSITIVE.search(name)) and not name.lower().endswith("_env")
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` fit to print: ``user:***@host``, sensitive query values as ``***``."""
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "<unparseable URI>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, host = netloc.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        netloc = f"{user}:***@{host}" if colon else f"{userinfo}@{host}"
+    query = "&".join(
+        f"{k}=***" if is_sensitive(k) and sep else f"{k}{sep}{v}"
+        for k, sep, v in (item.partition("=") for item in parts.query.split("&") if item)
+    )
+    text = f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else f"{netloc}{parts.path}"
+    return text + (f"?{query}" if query else "")
+
+
 class Options:
     """Takes named options one by one; :meth:`done` rejects any that nobody took."""
 
@@ -52,6 +83,8 @@ class Options:
         try:
             return convert(raw)
         except (TypeError, ValueError) as exc:
+            if is_sensitive(name):
+                raise ValueError(f"{self.scheme}:// option {name}=*** is invalid") from None
             raise ValueError(f"{self.scheme}:// option {name}={raw!r} is invalid: {exc}") from None
 
     def size(self, name: str, default: int | None) -> int | None:

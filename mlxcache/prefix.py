@@ -18,6 +18,7 @@ import numpy as np
 from mlxcache import hashing
 from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, log
+from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
@@ -131,6 +132,7 @@ class PrefixCache:
         self._seed = hashing.namespace_seed(model, salt)
         self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
         self._lock = threading.Lock()
+        self.writer: BackgroundWriter | None = None  # made by the first background store
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
              "stores", "tokens_written", "records_written", "rejected"), 0)  # fmt: skip
@@ -194,12 +196,15 @@ class PrefixCache:
         extras: Mapping[str, Any] | None = None,
         vision_embeddings: Any = None,
         image_positions: Sequence[int] | None = None,
+        background: bool = False,
     ) -> int:
         """Store the cache of exactly ``token_ids``; returns how many new tokens the store kept.
 
         Only blocks not yet stored are written (one ``contains_many`` first, one after the
         puts to count what the backend kept: a refused or failed put counts 0). ``extras``
-        (e.g. ``{"rope_deltas": ...}``) are kept with this exact length.
+        (e.g. ``{"rope_deltas": ...}``) are kept with this exact length. With ``background``
+        the records are built and evaluated here, the puts run on this cache's writer thread
+        (see ``flush()``) and the return value is the number of new tokens queued.
         """
         tokens = _tokens(token_ids)
         images = list(images)
@@ -237,22 +242,39 @@ class PrefixCache:
             tail = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
         if vkey and not exists[-1]:
             vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
-        put: list[tuple[str, int]] = []  # (key, tokens) of each record written
+        todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
         for (key, i, m), there in zip(blocks, exists, strict=False):
             if not there:
-                rec = pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m)
-                self.backend.put(key, rec)
-                put.append((key, m))
+                todo.append(
+                    (key, pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m), m)
+                )
         for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if rec is not None:
-                self.backend.put(key, rec)
-                put.append((key, 0))
+                todo.append((key, rec, 0))
+        if not background:
+            return self._write(todo)
+        with self._lock:
+            if self.writer is None:
+                self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
+        # MLX arrays must be evaluated on the thread that built them, before the writer's
+        mx.eval([a for _, rec, _ in todo for a in rec.arrays.values()])
+        nbytes = sum(rec.nbytes for _, rec, _ in todo)
+        queued = self.writer.submit(lambda: self._write(todo), nbytes) if todo else True
+        return sum(m for _, _, m in todo) if queued else 0
+
+    def _write(self, todo: list[tuple[str, Record, int]]) -> int:
+        for key, rec, _ in todo:
+            self.backend.put(key, rec)
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
-        kept = self.backend.contains_many([k for k, _ in put]) if put else []
-        written = sum(m for (_, m), ok in zip(put, kept, strict=True) if ok)
+        kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []
+        written = sum(m for (_, _, m), ok in zip(todo, kept, strict=True) if ok)
         self._count(stores=1, tokens_written=written, records_written=sum(kept))
         return written
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every ``store(..., background=True)`` so far is written (or dropped)."""
+        return True if self.writer is None else self.writer.flush(timeout)
 
     # ------------------------------------------------------------ lookup
 
@@ -429,21 +451,10 @@ class PrefixCache:
         The same ``contains_many`` as ``lookup`` and nothing else: a caller that already has a
         prefix of some length (an in-process tier) calls ``lookup`` only when this is longer.
         """
-        tokens = _tokens(token_ids)
-        plan = self._plan(tokens, list(images), image_positions)
-        n_full, r = divmod(len(tokens), self.block_size)
-        full = plan.full(n_full)
-        trail = [plan.partial(n_full, m) for m in range(1, r + 1)]
-        keys = [self._key("b", h) for h in full] + [self._key("t", p) for p in trail]
-        found = self.backend.contains_many(keys) if keys else []
-        k = next((i for i, f in enumerate(found[:n_full]) if not f), n_full)
-        if k == n_full:
-            part = [m for m, f in zip(range(1, r + 1), found[n_full:], strict=True) if f]
-        else:
-            cands = [plan.partial(k, m) for m in range(1, self.block_size)]
-            there = self.backend.contains_many([self._key("t", p) for p in cands])
-            part = [m for m, f in zip(range(1, self.block_size), there, strict=True) if f]
-        return k * self.block_size + (part[-1] if part else 0)
+        plan = self._plan(_tokens(token_ids), list(images), image_positions)
+        keys = self._probe_keys(plan)
+        match = self._match(plan, self.backend.contains_many(keys) if keys else [])
+        return match.k * self.block_size + match.pm  # a hit never ends past this
 
     # ------------------------------------------------------------ the rest
 
@@ -453,6 +464,8 @@ class PrefixCache:
             out: dict[str, Any] = dict(self._counts)
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         out["backend"] = self.backend.stats()
+        if self.writer is not None:
+            out["writer"] = self.writer.stats()
         return out
 
     def clear(self) -> int:
@@ -461,7 +474,10 @@ class PrefixCache:
         return sum(self.backend.delete(k) for k in keys)
 
     def close(self) -> None:
-        """Close the backend if this object opened it (from a URI)."""
+        """Write what ``store(..., background=True)`` queued; close the backend if this object
+        opened it (from a URI)."""
+        if self.writer is not None:
+            self.writer.close()
         if self._owns_backend:
             self.backend.close()
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
 from mlxcache.backends.base import CacheBackend
-from mlxcache.options import Options
+from mlxcache.options import Options, redact_uri
 
 log = logging.getLogger("mlxcache")
 
@@ -38,6 +38,11 @@ _SCHEMES: dict[str, Factory | str] = {
     "redis": "mlxcache.backends.redis:from_uri",
     "rediss": "mlxcache.backends.redis:from_uri",
     "unix": "mlxcache.backends.redis:from_uri",
+    "tiered": "mlxcache.backends.tiered:from_uri",
+    "redis+cluster": "mlxcache.backends.redis_cluster:from_cluster_uri",
+    "rediss+cluster": "mlxcache.backends.redis_cluster:from_cluster_uri",
+    "redis+sentinel": "mlxcache.backends.redis_cluster:from_sentinel_uri",
+    "rediss+sentinel": "mlxcache.backends.redis_cluster:from_sentinel_uri",
 }
 
 
@@ -103,7 +108,7 @@ def open_backend(uri: str | None = None, **options: object) -> CacheBackend:
     factory = _factory(scheme) if "://" in uri else None
     if factory is None:
         raise ValueError(
-            f"unknown cache URI {uri!r}: the scheme must be one of "
+            f"unknown cache URI {redact_uri(uri)!r}: the scheme must be one of "
             + ", ".join(f"{s}://" for s in schemes())
         )
     values: dict[str, object] = dict(parse_qsl(url.query, keep_blank_values=True))

@@ -4,13 +4,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v redis-server >/dev/null 2>&1; then
+# redis-cli builds the test Redis Cluster; sentinels run as `redis-server --sentinel`
+if ! command -v redis-server >/dev/null 2>&1 || ! command -v redis-cli >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null
   elif command -v brew >/dev/null 2>&1; then
     brew install redis
   else
-    echo "redis-server is missing: install it (apt-get install redis-server / brew install redis)" >&2
+    echo "redis-server or redis-cli is missing: install them (apt-get install redis-server redis-tools / brew install redis)" >&2
     exit 1
   fi
 fi

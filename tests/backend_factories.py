@@ -45,9 +45,32 @@ def _plugin(request: Any, tmp_path: Path) -> Store:
     return Store("dict://", shared=False, env={"PYTHONPATH": path})
 
 
+def _redis_cluster(request: Any, tmp_path: Path) -> Store:
+    """A real 3+3 Redis Cluster. One key group: the contract's exact LRU over a few keys is
+    what one group gives (test_redis_cluster.py covers the default 16 groups)."""
+    return Store(request.getfixturevalue("redis_cluster").url + "?groups=1", shared=True)
+
+
+def _redis_sentinel(request: Any, tmp_path: Path) -> Store:
+    return Store(request.getfixturevalue("redis_sentinel").url, shared=True)
+
+
+def _tiered(write: str) -> Callable[[Any, Path], Store]:
+    def factory(request: Any, tmp_path: Path) -> Store:
+        from mlxcache.backends.tiered import tiered_uri
+
+        return Store(tiered_uri("memory://", f"file://{tmp_path}/l2", write=write), shared=True)
+
+    return factory
+
+
 BACKENDS: dict[str, Callable[[Any, Path], Store]] = {
     "memory": _memory,
     "file": _file,
     "redis": _redis,
     "plugin": _plugin,
+    "redis-cluster": _redis_cluster,
+    "redis-sentinel": _redis_sentinel,
+    "tiered": _tiered("through"),
+    "tiered-behind": _tiered("behind"),
 }

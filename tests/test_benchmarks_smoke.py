@@ -109,6 +109,8 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("growth", "restore Qwen2.5-7B memory://"),
             ("growth", "break-even Qwen2.5-7B memory:// vs M2 Max, 7B Q4_0"),
         }
+    expected |= {("signed", "signed file:// put"), ("signed", "signed file:// get")}
+    expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names
     assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
 

@@ -100,7 +100,7 @@ def test_copy_between_caches_is_bit_exact(capsys, cache_uri, tmp_path):
 
 def test_verify_reports_a_corrupt_record(capsys, cache_uri, tmp_path):
     code, out, _ = run(capsys, "verify", cache_uri, "--json")
-    assert code == 0 and json.loads(out) == {"checked": 3, "bad": []}
+    assert code == 0 and json.loads(out) == {"checked": 3, "bad": [], "reasons": {}}
     files = sorted((tmp_path / "cache").rglob("*.safetensors"))
     assert len(files) == 3
     victim = files[0]
@@ -141,6 +141,16 @@ def test_demo_subcommand_runs_cold_then_warm_in_a_new_process(capsys, tmp_path):
     code, out, _ = run(capsys, "demo", "--cache", uri, "--prompt-tokens", "96", "--max-tokens", "2")
     assert code == 0
     assert "same again" in out and "matches cold" in out and "matches uncached" in out
+    with mlxcache.open_backend(uri) as b:
+        assert len(b) == 0  # the demo removes its own entries
+
+
+def test_demo_lm_serves_warm_after_a_restart(capsys, tmp_path):
+    uri = f"file://{tmp_path / 'demo-lm'}"
+    args = ("demo", "--model-kind", "lm", "--cache", uri, "--prompt-tokens", "96")
+    code, out, err = run(capsys, *args, "--max-tokens", "3")
+    assert code == 0, out + err
+    assert "matches cold" in out and "matches uncached" in out and "after SIGKILL" in out
     with mlxcache.open_backend(uri) as b:
         assert len(b) == 0  # the demo removes its own entries
 

@@ -38,14 +38,15 @@ def rows(prompt_cache):
     return keys[0, 0, :offset, 0].tolist()
 
 
-def test_a_new_instance_finds_what_another_stored(tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_a_new_instance_finds_what_another_stored(tmp_path, background):
     uri = f"file://{tmp_path}/c"
     prompt = list(range(1, 40))
-    first = SharedPromptCache(backend=uri)
+    first = SharedPromptCache(backend=uri, background=background)
     assert first.fetch_nearest_cache(MODEL, prompt) == (None, prompt)
     answer = prompt + [90, 91, 92]
     first.insert_cache(MODEL, answer, kv(answer))
-    first.close()
+    first.close()  # finishes the pending store
 
     second = SharedPromptCache(backend=uri)
     cache, rest = second.fetch_nearest_cache(MODEL, prompt)
@@ -95,10 +96,12 @@ def test_hot_hit_does_not_touch_the_backend(tmp_path):
     assert cache.stats()["hot_hits"] == 1 and cache.stats()["backend_hits"] == 0
 
 
-def test_byte_budget_holds_and_evicted_prefixes_stay_reachable(tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_byte_budget_holds_and_evicted_prefixes_stay_reachable(tmp_path, background):
     one = sum(c.nbytes for c in kv(list(range(40))))
     budget = 3 * one + one // 2
-    cache = SharedPromptCache(max_size=100, max_bytes=budget, backend=f"file://{tmp_path}/c")
+    uri = f"file://{tmp_path}/c"
+    cache = SharedPromptCache(max_size=100, max_bytes=budget, backend=uri, background=background)
     prompts = [[1000 + i] + list(range(i, i + 30)) for i in range(50)]
     for p in prompts:
         cache.fetch_nearest_cache(MODEL, p)
@@ -107,6 +110,7 @@ def test_byte_budget_holds_and_evicted_prefixes_stay_reachable(tmp_path):
         assert len(cache) <= 3
         assert sum(s["n_bytes"] for s in cache.stats_by_type().values()) == cache.nbytes
     assert len(cache) == 3
+    cache.flush()
     # the oldest prompts left the hot tier long ago: the backend has them
     for p in prompts[:5]:
         hit, rest = cache.fetch_nearest_cache(MODEL, p)
@@ -166,15 +170,34 @@ def test_unstorable_cache_is_logged_not_raised(caplog):
     assert len(cache) == 1  # the hot tier kept it
 
 
-def test_after_next_insert_runs_once_after_the_store():
-    cache = SharedPromptCache(backend="memory://")
+@pytest.mark.parametrize("background", [False, True])
+def test_after_next_insert_runs_once_after_the_store(background):
+    cache = SharedPromptCache(backend="memory://", background=background)
     seen = []
     cache.after_next_insert(lambda: seen.append(len(list(cache.backend.keys("")))))
     assert seen == []
     cache.insert_cache(MODEL, [1, 2, 3], kv([1, 2, 3]))
+    cache.flush()
     assert len(seen) == 1 and seen[0] > 0  # the records were there when it ran
     cache.insert_cache(MODEL, [4, 5, 6], kv([4, 5, 6]))
+    cache.flush()
     assert len(seen) == 1
+    cache.close()
+
+
+def test_background_stores_beside_fetches_on_another_thread(tmp_path):
+    """The server's shape: one thread inserts and fetches, the writer stores behind it."""
+    cache = SharedPromptCache(backend=f"file://{tmp_path}/c", background=True, max_pending=1)
+    prompts = [[500 + i] + list(range(i, i + 60)) for i in range(12)]
+    for p in prompts:
+        cache.fetch_nearest_cache(MODEL, p)
+        cache.insert_cache(MODEL, p + [1], kv(p + [1]))
+    cache.close()
+    other = SharedPromptCache(backend=f"file://{tmp_path}/c")
+    for p in prompts:
+        hit, rest = other.fetch_nearest_cache(MODEL, p)
+        assert rest == p[-1:] and rows(hit) == [float(t) for t in p[:-1]]
+    assert cache.stats()["store_errors"] == 0
 
 
 def test_bad_arguments_are_clear_errors():

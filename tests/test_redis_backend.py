@@ -42,7 +42,9 @@ def test_bytes_are_the_stored_value_sizes(redis_url):
     with mlxcache.open_backend(redis_url) as b:
         b.put("prefix/abc", rec)
         assert (
-            b.stats()["bytes"] == stored_size(rec) == raw(redis_url).strlen("mlxcache:v:prefix/abc")
+            b.stats()["bytes"]
+            == stored_size(rec)
+            == raw(redis_url).strlen("mlxcache:{0}v:prefix/abc")
         )
 
 
@@ -61,9 +63,9 @@ def test_key_layout_keeps_user_and_internal_keys_apart(redis_url):
     assert list(b.keys("b\\")) == ["b\\x"]
     assert len(b) == len(names)
     layout = {k.decode() for k in r.scan_iter(match="mlxcache:*")}
-    assert {"mlxcache:i:lru", "mlxcache:i:size", "mlxcache:i:total"} <= layout
-    assert any(k.startswith("mlxcache:c:") for k in layout)
-    assert "mlxcache:v:a*b" in layout
+    assert {"mlxcache:{0}i:lru", "mlxcache:{0}i:size", "mlxcache:{0}i:total"} <= layout
+    assert any(k.startswith("mlxcache:{0}c:") for k in layout)
+    assert "mlxcache:{0}v:a*b" in layout
     other = mlxcache.open_backend(redis_url, prefix="other:")
     other.put("x", blob_record(10))
     assert list(other.keys()) == ["x"] and "x" not in b
@@ -82,7 +84,7 @@ def test_delete_and_contains(redis_url):
     assert b.delete("big") and not b.delete("big")
     assert b.delete("small")
     assert len(b) == 0 and b.stats()["bytes"] == 0
-    assert list(raw(redis_url).scan_iter(match="mlxcache:c:*")) == []
+    assert list(raw(redis_url).scan_iter(match="mlxcache:{0}c:*")) == []
 
 
 def test_overwrite_counts_once_and_removes_old_chunks(redis_url):
@@ -90,12 +92,12 @@ def test_overwrite_counts_once_and_removes_old_chunks(redis_url):
     r = raw(redis_url)
     big, small = blob_record(10_000, 1), blob_record(100, 2)
     b.put("k", big)
-    assert len(list(r.scan_iter(match="mlxcache:c:*"))) == 10
+    assert len(list(r.scan_iter(match="mlxcache:{0}c:*"))) == 10
     b.put("k", big)  # a new generation replaces the old one
-    assert len(list(r.scan_iter(match="mlxcache:c:*"))) == 10
+    assert len(list(r.scan_iter(match="mlxcache:{0}c:*"))) == 10
     assert b.stats()["bytes"] == stored_size(big) and len(b) == 1
     b.put("k", small)
-    assert list(r.scan_iter(match="mlxcache:c:*")) == []
+    assert list(r.scan_iter(match="mlxcache:{0}c:*")) == []
     assert b.stats()["bytes"] == stored_size(small)
     assert_same(small, b.get("k"))
 
@@ -107,7 +109,7 @@ def test_chunked_round_trip(redis_url):
     b = mlxcache.open_backend(redis_url, chunk_size="1KiB")
     rec = Record({"kv": mx.random.normal((5000,)).astype(mx.bfloat16)}, {"n": 5000})
     b.put("big", rec)
-    value = raw(redis_url).get("mlxcache:v:big")
+    value = raw(redis_url).get("mlxcache:{0}v:big")
     assert value.startswith(b"mlxcache-chunks:1\n") and len(value) < 200
     assert_same(rec, b.get("big"))
     assert_same(rec, b.get_many(["big"])[0])
@@ -119,7 +121,7 @@ def test_chunked_values_are_decoded_without_joining(redis_url, monkeypatch, chun
     b = mlxcache.open_backend(redis_url, chunk_size=chunk_size)
     rec = sample_record()
     b.put("big", rec)
-    assert raw(redis_url).get("mlxcache:v:big").startswith(b"mlxcache-chunks:1\n")
+    assert raw(redis_url).get("mlxcache:{0}v:big").startswith(b"mlxcache-chunks:1\n")
     joined = []
     monkeypatch.setattr(st, "from_bytes", lambda blob: joined.append(blob))
     assert_same(rec, b.get("big"))
@@ -133,21 +135,21 @@ def test_lost_chunk_is_a_miss_counted_and_dropped(redis_url, caplog):
     r = raw(redis_url)
     b.put("big", blob_record(5000))
     b.put("other", blob_record(5000, 1))
-    r.delete(sorted(r.scan_iter(match="mlxcache:c:*"))[0])
+    r.delete(sorted(r.scan_iter(match="mlxcache:{0}c:*"))[0])
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         hits = [x is not None for x in b.get_many(["big", "other"])]
     assert sum(hits) == 1 and b.stats()["errors"] == 1 and "missing" in caplog.text
     assert len(b) == 1 and len(list(b.keys())) == 1
     assert b.stats()["bytes"] == stored_size(blob_record(5000))
     survivor = -(-stored_size(blob_record(5000)) // 1024)  # the lost value's chunks are gone
-    assert len(list(r.scan_iter(match="mlxcache:c:*"))) == survivor
+    assert len(list(r.scan_iter(match="mlxcache:{0}c:*"))) == survivor
 
 
 def test_corrupt_chunk_is_a_miss_and_dropped(redis_url):
     b = mlxcache.open_backend(redis_url, chunk_size=1024)
     r = raw(redis_url)
     b.put("big", blob_record(5000))
-    chunk = sorted(r.scan_iter(match="mlxcache:c:*"))[2]
+    chunk = sorted(r.scan_iter(match="mlxcache:{0}c:*"))[2]
     r.setrange(chunk, 10, b"\xff\x00")
     assert b.get("big") is None and b.stats()["errors"] == 1
     assert len(b) == 0 and list(r.scan_iter(match="mlxcache:*")) != []  # index keys only
@@ -167,7 +169,7 @@ def test_foreign_value_with_a_valid_checksum_is_a_miss(redis_url):
     table = [st.TensorInfo("x", "U8", (-1, -2), 0, 2)]
     header["__metadata__"]["checksum"] = st._checksum(meta, table, iter([blob[-2:]]))
     text = json.dumps(header).encode()
-    raw(redis_url).set("mlxcache:v:f", st.struct.pack("<Q", len(text)) + text + blob[-2:])
+    raw(redis_url).set("mlxcache:{0}v:f", st.struct.pack("<Q", len(text)) + text + blob[-2:])
     assert b.get("f") is None and b.stats()["errors"] == 1
 
 
@@ -214,22 +216,22 @@ def test_concurrent_reader_never_sees_a_mix(redis_url):
     assert len(found) > len(seen) // 2
     assert set(found) <= versions  # every hit is one whole version, never a mix
     assert b.stats()["errors"] == 0
-    assert len(list(raw(redis_url).scan_iter(match="mlxcache:c:*"))) == 10
+    assert len(list(raw(redis_url).scan_iter(match="mlxcache:{0}c:*"))) == 10
 
 
 def test_write_rejected_when_chunks_vanish(redis_url, caplog, monkeypatch):
     b = RedisBackend(redis_url, chunk_size=1024)
     real = b._script
 
-    def lose_chunks(name, keys, args):
+    def lose_chunks(name, g, args, keys=None):
         if name == "commit":
             b.client.unlink(keys[-1])
-        return real(name, keys, args)
+        return real(name, g, args, keys)
 
     monkeypatch.setattr(b, "_script", lose_chunks)
     b.put("k", blob_record(3000))
     assert "k" not in b and b.stats()["errors"] == 1
-    assert list(raw(redis_url).scan_iter(match="mlxcache:c:*")) == []
+    assert list(raw(redis_url).scan_iter(match="mlxcache:{0}c:*")) == []
 
 
 # ---------------------------------------------------------------- batch
@@ -272,7 +274,7 @@ def test_get_refreshes_lru_order(redis_url):
     for k in ("a", "b", "c"):
         b.put(k, blob_record(10))
     b.get("a")
-    order = [m.decode() for m in raw(redis_url).zrange("mlxcache:i:lru", 0, -1)]
+    order = [m.decode() for m in raw(redis_url).zrange("mlxcache:{0}i:lru", 0, -1)]
     assert order == ["b", "c", "a"]
 
 
@@ -328,7 +330,7 @@ def test_eviction_removes_chunks_of_chunked_victims(redis_url):
     for k in ("a", "b", "c"):
         b.put(k, blob_record(3000))
     assert "a" not in b and len(b) == 2
-    assert len(list(raw(redis_url).scan_iter(match="mlxcache:c:*"))) == 2 * -(-one // 1024)
+    assert len(list(raw(redis_url).scan_iter(match="mlxcache:{0}c:*"))) == 2 * -(-one // 1024)
 
 
 # ---------------------------------------------------------------- bad data
@@ -338,16 +340,16 @@ def test_corrupt_value_is_a_miss_counted_logged_and_deleted(redis_url, caplog):
     b = mlxcache.open_backend(redis_url, chunk_size=1024)
     r = raw(redis_url)
     b.put("k", blob_record(100))
-    blob = bytearray(r.get("mlxcache:v:k"))
+    blob = bytearray(r.get("mlxcache:{0}v:k"))
     blob[-1] ^= 1
-    r.set("mlxcache:v:k", bytes(blob))
-    r.set("mlxcache:v:garbage", b"not a record at all")
-    r.set("mlxcache:v:manifest", b"mlxcache-chunks:1\n{broken")
+    r.set("mlxcache:{0}v:k", bytes(blob))
+    r.set("mlxcache:{0}v:garbage", b"not a record at all")
+    r.set("mlxcache:{0}v:manifest", b"mlxcache-chunks:1\n{broken")
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         assert b.get_many(["k", "garbage", "manifest"]) == [None, None, None]
     assert b.stats()["errors"] == 3 and b.stats()["misses"] == 3
     assert "checksum" in caplog.text and "unreadable" in caplog.text
-    assert r.exists("mlxcache:v:k", "mlxcache:v:garbage", "mlxcache:v:manifest") == 0
+    assert r.exists("mlxcache:{0}v:k", "mlxcache:{0}v:garbage", "mlxcache:{0}v:manifest") == 0
     assert len(b) == 0 and b.stats()["bytes"] == 0
 
 
@@ -355,16 +357,18 @@ def test_newer_format_version_is_a_miss_and_kept(redis_url, caplog):
     b = mlxcache.open_backend(redis_url)
     r = raw(redis_url)
     blob = st.to_bytes(blob_record(10))
-    r.set("mlxcache:v:future", blob.replace(b'"format_version":"1"', b'"format_version":"9"'))
+    from record_bytes import with_version
+
+    r.set("mlxcache:{0}v:future", with_version(blob, 9))
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         assert b.get("future") is None
-    assert "version 9" in caplog.text and r.exists("mlxcache:v:future")
+    assert "version 9" in caplog.text and r.exists("mlxcache:{0}v:future")
 
 
 def test_index_drift_is_cleaned_lazily(redis_url):
     b = mlxcache.open_backend(redis_url)
     b.put("k", blob_record(10))
-    raw(redis_url).delete("mlxcache:v:k")  # as if Redis' maxmemory policy had evicted it
+    raw(redis_url).delete("mlxcache:{0}v:k")  # as if Redis' maxmemory policy had evicted it
     assert len(b) == 1
     assert b.get("k") is None
     assert len(b) == 0 and b.stats()["bytes"] == 0
@@ -401,7 +405,7 @@ def test_rediss_uses_ssl_without_connecting():
     kw = b.pool.connection_kwargs
     assert (kw["host"], kw["port"], kw["db"], kw["username"]) == ("127.0.0.1", port, 2, "alice")
     assert kw["password"] == "s3cret" and kw["socket_timeout"] == 5.0
-    assert b.url == f"rediss://alice@127.0.0.1:{port}/2"
+    assert b.url == f"rediss://alice:***@127.0.0.1:{port}/2"
 
 
 def test_timeout_option_reaches_the_pool():
@@ -439,7 +443,7 @@ def test_unreachable_server_at_construction():
     s = b.stats()
     assert time.monotonic() - t0 < 2
     assert s["errors"] >= 1 and s["available"] is False and s["entries"] == 0
-    assert "pw" not in s["url"] and s["url"] == f"redis://user@127.0.0.1:{port}/0"
+    assert "pw" not in s["url"] and s["url"] == f"redis://user:***@127.0.0.1:{port}/0"
     b.close()
 
 
@@ -569,16 +573,16 @@ def test_many_processes_share_one_budget(redis_url):
     b = mlxcache.open_backend(redis_url, max_bytes=max_bytes, chunk_size=2048)
     r = raw(redis_url)
     s = b.stats()
-    sizes = {k.decode(): int(v) for k, v in r.hgetall("mlxcache:i:size").items()}
-    values = {k.decode()[len("mlxcache:v:") :] for k in r.scan_iter(match="mlxcache:v:*")}
+    sizes = {k.decode(): int(v) for k, v in r.hgetall("mlxcache:{0}i:size").items()}
+    values = {k.decode()[len("mlxcache:{0}v:") :] for k in r.scan_iter(match="mlxcache:{0}v:*")}
     assert 0 < s["bytes"] <= max_bytes
     assert s["bytes"] == sum(sizes.values()) and set(sizes) == values
-    assert {m.decode() for m in r.zrange("mlxcache:i:lru", 0, -1)} == values
-    chunk_keys = {k.decode() for k in r.scan_iter(match="mlxcache:c:*")}
+    assert {m.decode() for m in r.zrange("mlxcache:{0}i:lru", 0, -1)} == values
+    chunk_keys = {k.decode() for k in r.scan_iter(match="mlxcache:{0}c:*")}
     expected = set()
-    for info in r.hgetall("mlxcache:i:chunks").values():
+    for info in r.hgetall("mlxcache:{0}i:chunks").values():
         gen, n = info.decode().split(":")
-        expected |= {f"mlxcache:c:{gen}:{i}" for i in range(int(n))}
+        expected |= {f"mlxcache:{{0}}c:{gen}:{i}" for i in range(int(n))}
     assert chunk_keys == expected  # no orphaned chunks
     for key in values:
         got = b.get(key)
@@ -603,7 +607,7 @@ def test_header_reads_no_tensor_data(redis_url, chunk_size):
         expected.checksum,
     )
     assert b.header("missing") is None and b.stats()["errors"] == 0
-    raw(redis_url).set("mlxcache:v:bad", b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    raw(redis_url).set("mlxcache:{0}v:bad", b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
     assert b.header("bad") is None and b.stats()["errors"] == 1
 
 

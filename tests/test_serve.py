@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.request
 
+import mlx.core as mx
 import pytest
 from redis_server import RedisServer, free_port
 
@@ -155,6 +156,12 @@ def test_two_servers_share_one_redis(tiny_lm, servers, redis_url):
     assert n_f > n and cached_f > 0
     _, _, cached_fb = b.chat(follow)
     assert cached_fb == n_f - 1
+    # mlx-lm stores a system prompt as its own segment: a new conversation on the other
+    # server that shares it starts from it
+    system = {"role": "system", "content": "You are a storyteller who knows the hills and the sea."}
+    _, n_s, _ = a.chat([system, {"role": "user", "content": "A story about a cat."}])
+    _, n_t, cached_t = b.chat([system, {"role": "user", "content": "Now one about a bird."}])
+    assert 0 < cached_t < min(n_s, n_t) - 3
 
 
 def test_dead_redis_still_answers_uncached(tiny_lm, servers, tmp_path):
@@ -209,3 +216,36 @@ def test_bad_cache_uri_is_one_line():
     run = subprocess.run(args, capture_output=True, text=True)
     assert run.returncode == 1
     assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr
+
+
+def test_the_end_of_a_response_waits_for_its_store():
+    from queue import Queue
+
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm_server import _HeldEnd
+
+    cache = SharedPromptCache(backend="memory://")
+    q: Queue = Queue()
+    held = _HeldEnd(q, cache, timeout=60)
+    held.put("a token")
+    held.put(None)  # the generation thread ends the response ...
+    assert q.get_nowait() == "a token" and q.empty()  # ... but it is held back
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
+    cache.insert_cache(("m", None, None), [1, 2, 3], [c])  # ... until its cache is stored
+    assert q.get_nowait() is None and len(list(cache.backend.keys(""))) > 0
+    # without any insert (a failed request), the end still comes, after the timeout
+    held = _HeldEnd(q, SharedPromptCache(backend="memory://"), timeout=0.01)
+    held.put(None)
+    assert q.get(timeout=30) is None
+
+
+def test_help_lists_ours_then_mlx_lms_options():
+    run = subprocess.run(
+        [sys.executable, "-m", "mlxcache", "serve", "--help"], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    ours, theirs = run.stdout.index("--cache CACHE"), run.stdout.index("--prompt-cache-bytes")
+    assert ours < theirs and "--model MODEL" in run.stdout

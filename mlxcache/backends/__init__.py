@@ -1,4 +1,5 @@
-"""Storage backends: memory, disk (safetensors files + SQLite index) and Redis."""
+"""Storage backends: memory, disk (safetensors files + SQLite index), Redis (one server,
+Sentinel, Cluster) and tiers of them."""
 
 from mlxcache.backends.base import CacheBackend
 

@@ -167,6 +167,9 @@ class BackendBase:
     def _close(self) -> None:
         """Release connections or files; the default has nothing to release."""
 
+    def _touch_many(self, keys: list[str]) -> None:
+        """Mark keys as just used in the LRU order without reading them; default: nothing."""
+
     # ------------------------------------------------------------ policy
 
     def _skipping(self) -> bool:
@@ -298,6 +301,13 @@ class BackendBase:
         if evicted:
             self._counters.add("evictions", evicted)
         return evicted
+
+    def touch_many(self, keys: Iterable[str]) -> None:
+        """Refresh the LRU recency of stored keys without reading them (``tiered://`` tells its
+        lower tier about upper-tier hits); missing keys are ignored, failures are counted."""
+        keys = [check_key(k) for k in keys]
+        if keys:
+            self._guard("touch", None, self._touch_many, keys)
 
     def header(self, key: str) -> fmt.Header | None:
         """Metadata and tensor table of ``key`` (no tensor data where the backend can)."""

@@ -16,7 +16,7 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 class Counters:
     """Thread-safe hit/miss/eviction/error counters for ``stats()``."""
 
-    NAMES = ("hits", "misses", "evictions", "errors", "bytes_read", "bytes_written")
+    NAMES = ("hits", "misses", "evictions", "errors", "rejected", "bytes_read", "bytes_written")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -18,6 +18,7 @@ writer (temp files, files renamed but never published) can be told from a live w
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import secrets
@@ -31,10 +32,21 @@ from typing import Any
 from urllib.parse import SplitResult, unquote
 
 from mlxcache import format as st
+from mlxcache import signing
 from mlxcache.backends.base import BackendBase, log
-from mlxcache.backends.disk_files import fsync_dir, sweep_debris, unlink, write_file
-from mlxcache.errors import FormatError
-from mlxcache.options import Options
+from mlxcache.backends.disk_files import (
+    DATA_NAME,
+    GROUP_MODES,
+    PRIVATE_MODES,
+    ensure_dir,
+    ensure_file,
+    fsync_dir,
+    sweep_debris,
+    unlink,
+    write_file,
+)
+from mlxcache.errors import FormatError, UntrustedRecordError
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 SCHEMA_VERSION = 1
@@ -83,15 +95,27 @@ class DiskBackend(BackendBase):
     ``max_bytes=None`` is unbounded; opening with a smaller budget evicts down to it at once.
     ``timeout`` is how long (seconds) to wait for the index lock before giving up (a miss).
     A folder that cannot be created or whose index cannot be opened raises ``OSError`` here;
-    once open, every store failure is a miss or a no-op.
+    once open, every store failure is a miss or a no-op. With a ``signer`` (default: from
+    ``$MLXCACHE_SECRET``, or the variable ``secret_env`` names) every record is signed and
+    only records signed for their key are read; others are rejected and quarantined.
     """
 
     scheme = "file"
 
     def __init__(
-        self, path: str | os.PathLike, max_bytes: int | None = None, timeout: float = 10.0
+        self,
+        path: str | os.PathLike,
+        max_bytes: int | None = None,
+        timeout: float = 10.0,
+        *,
+        signer: signing.Signer | None = None,
+        secret_env: str | None = None,
+        shared_group: bool = False,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
+        self.shared_group = bool(shared_group)
+        self._dir_mode, self._file_mode = GROUP_MODES if shared_group else PRIVATE_MODES
+        self.signer = signer if signer is not None else signing.resolve(secret_env)
         self.root = Path(os.path.expanduser(os.fspath(path))).absolute()
         self.timeout = float(timeout)
         self._data = self.root / "data"
@@ -101,8 +125,14 @@ class DiskBackend(BackendBase):
         self._conns_lock = threading.Lock()
         self._reset_connections()
         try:
-            for d in (self.root, self._data, self._tmp, self._quarantine):
-                d.mkdir(parents=True, exist_ok=True)
+            if not self.root.is_dir():
+                ensure_dir(self.root, self._dir_mode)  # a folder we create is private
+            for d in (self._data, self._tmp, self._quarantine):
+                ensure_dir(d, self._dir_mode)
+            for suffix in ("", "-wal", "-shm"):  # SQLite gives -wal/-shm the index's mode
+                path = Path(f"{self._index}{suffix}")
+                if not suffix or path.exists():
+                    ensure_file(path, self._file_mode)
             self._open_index()
         except (OSError, sqlite3.Error) as exc:
             self.close()
@@ -167,7 +197,10 @@ class DiskBackend(BackendBase):
                 if db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":
                     db.execute("PRAGMA journal_mode=WAL")
                 db.executescript(_SCHEMA)
-                (schema,) = db.execute("SELECT value FROM settings WHERE key='schema'").fetchone()
+                row = db.execute("SELECT value FROM settings WHERE key='schema'").fetchone()
+                schema = row[0] if row else None
+                if type(schema) is not int or schema < 1:
+                    raise sqlite3.DatabaseError(f"index schema row is corrupt ({schema!r:.20})")
                 break
             except sqlite3.OperationalError as exc:
                 if db is not None and db.in_transaction:
@@ -191,6 +224,7 @@ class DiskBackend(BackendBase):
                         os.replace(src, self._quarantine / f"index-{stamp}.sqlite{suffix}")
                     except FileNotFoundError:
                         pass
+                ensure_file(self._index, self._file_mode)
         if schema > SCHEMA_VERSION:
             raise ValueError(
                 f"{self._index} has index schema {schema}; this mlxcache knows {SCHEMA_VERSION}"
@@ -206,12 +240,45 @@ class DiskBackend(BackendBase):
             log.warning("file cache: cleanup of %s failed: %s", self.root, exc)
 
     def _indexed_files(self) -> set[str]:
-        return {f for (f,) in self._db().execute("SELECT file FROM entries")}
+        rows = self._db().execute("SELECT CAST(file AS BLOB) FROM entries")
+        return {f.decode("utf-8", "replace") for (f,) in rows if isinstance(f, bytes)}
+
+    def _file_of(self, key: str, file: Any) -> str | None:
+        """An index row's file name if it is one we write for ``key``, else None.
+
+        Rows are data read from a shared folder: a name outside ``data/``, of another key or
+        not text at all is never opened, moved or unlinked.
+        """
+        if isinstance(file, bytes):
+            try:
+                file = file.decode("utf-8")
+            except UnicodeDecodeError:
+                return None
+        if not isinstance(file, str):
+            return None
+        sub, _, name = file.partition("/")
+        m = DATA_NAME.fullmatch(name)
+        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
+        if m is None or m[1] != digest or sub != digest[:2]:
+            return None
+        return file
+
+    def _drop_rows(self, rows: list[tuple[str, Any]]) -> None:
+        """Unindex rows that name no file of ours (their files are left alone)."""
+        with self._transaction() as db:
+            for key, file in rows:
+                db.execute(
+                    "DELETE FROM entries WHERE key = ? AND CAST(file AS BLOB) = ?", (key, file)
+                )
+        for key, _ in rows:
+            self.error("get", f"dropped a malformed index row for {key!r:.80}", logged=True)
+            log.warning("file cache: dropped a malformed index row for %r", key)
 
     def _evict(self, db: sqlite3.Connection, limit: int, keep: str = "") -> list[str]:
         """Delete least recently used rows (never ``keep``) until the total fits ``limit``."""
         files: list[str] = []
         (total,) = db.execute("SELECT value FROM settings WHERE key='size'").fetchone()
+        total = total if type(total) is int else 0
         while total > limit:
             rows = db.execute(
                 "SELECT key, file, size FROM entries WHERE key != ? ORDER BY access_time LIMIT ?",
@@ -221,8 +288,9 @@ class DiskBackend(BackendBase):
                 break
             for key, file, size in rows:
                 db.execute("DELETE FROM entries WHERE key = ?", (key,))
-                files.append(file)
-                total -= size
+                if isinstance(key, str) and self._file_of(key, file):
+                    files.append(file)
+                total -= size if type(size) is int else 0
                 if total <= limit:
                     break
         return files
@@ -242,8 +310,15 @@ class DiskBackend(BackendBase):
         return len(evicted)
 
     def _discard(self, key: str, file: str, exc: BaseException) -> None:
-        """Drop an entry whose file cannot be read: unindex it, move the file to quarantine."""
-        self.error("get", f"unreadable entry {key!r}: {exc}", logged=True)
+        """Drop an entry whose file cannot be read: unindex it, move the file to quarantine.
+
+        A record without a valid MAC (``UntrustedRecordError``) is counted as ``rejected``.
+        """
+        if isinstance(exc, UntrustedRecordError):
+            self._counters.add("rejected")
+            self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
+        else:
+            self.error("get", f"unreadable entry {key!r}: {exc}", logged=True)
         try:
             with self._transaction() as db:
                 db.execute("DELETE FROM entries WHERE key = ? AND file = ?", (key, file))
@@ -264,17 +339,37 @@ class DiskBackend(BackendBase):
     # ------------------------------------------------------------ reads
 
     def _lookup(self, keys: list[str]) -> dict[str, str]:
+        """key -> file of the indexed keys; a malformed row is unindexed (one key, not a batch)."""
         db = self._db()
         found: dict[str, str] = {}
+        bad: list[tuple[str, Any]] = []
         for i in range(0, len(keys), _CHUNK):
             chunk = keys[i : i + _CHUNK]
             marks = ",".join("?" * len(chunk))
-            found.update(db.execute(f"SELECT key, file FROM entries WHERE key IN ({marks})", chunk))
+            rows = db.execute(
+                f"SELECT key, CAST(file AS BLOB) FROM entries WHERE key IN ({marks})", chunk
+            )
+            for key, raw in rows:
+                file = self._file_of(key, raw)
+                if file is None:
+                    bad.append((key, raw))
+                else:
+                    found[key] = file
+        if bad:
+            self._drop_rows(bad)
         return found
+
+    def _row_file(self, key: str) -> str | None:
+        row = (
+            self._db()
+            .execute("SELECT CAST(file AS BLOB) FROM entries WHERE key = ?", (key,))
+            .fetchone()
+        )
+        return None if row is None else self._file_of(key, row[0])
 
     def _load(self, key: str, file: str | None, read=None) -> tuple[Any, str | None]:
         """Read ``key`` from ``file``; follows a concurrent re-put, misses a concurrent delete."""
-        read = read or st.read_file
+        read = read or functools.partial(st.read_file, key=key, signer=self.signer)
         for _ in range(3):
             if file is None:
                 return None, None
@@ -284,11 +379,9 @@ class DiskBackend(BackendBase):
                 self.error("get", f"out of memory reading {key!r}")
                 return None, None
             except Exception as exc:
-                row = (
-                    self._db().execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
-                )
-                if row is None or row[0] != file:
-                    file = row[0] if row else None  # raced with a put, delete or eviction
+                now = self._row_file(key)
+                if now != file:
+                    file = now  # raced with a put, delete or eviction
                     continue
                 path = self._data / file
                 if isinstance(exc, FormatError) or not path.exists():
@@ -311,6 +404,13 @@ class DiskBackend(BackendBase):
                 )
         except sqlite3.Error as exc:
             self.error("touch", exc)
+
+    def _touch_many(self, keys: list[str]) -> None:
+        now = time.time()
+        with self._transaction() as db:
+            db.executemany(
+                "UPDATE entries SET access_time = ? WHERE key = ?", [(now, k) for k in keys]
+            )
 
     def _header(self, key: str) -> st.Header | None:
         """Metadata and tensor table of ``key`` without its tensor data (``mlxcache inspect``)."""
@@ -340,16 +440,26 @@ class DiskBackend(BackendBase):
         """Keys starting with ``prefix``, in sorted order, from the index alone."""
         found: list[str] = []
         # UTF-8 byte order is code point order, so the matches are one contiguous run
-        cur = self._db().execute("SELECT key FROM entries WHERE key >= ? ORDER BY key", (prefix,))
+        cur = self._db().execute(
+            "SELECT CAST(key AS BLOB) FROM entries WHERE key >= ? ORDER BY key", (prefix,)
+        )
         while rows := cur.fetchmany(256):
-            for (key,) in rows:
+            for (raw,) in rows:
+                try:
+                    key = raw.decode("utf-8")
+                except (AttributeError, UnicodeDecodeError):
+                    continue  # a malformed row: not a key anyone can ask for
                 if not key.startswith(prefix):
                     return found
                 found.append(key)
         return found
 
     def _settings(self) -> dict[str, int]:
-        return dict(self._db().execute("SELECT key, value FROM settings"))
+        """count, size and schema; a value that is not an int (a damaged row) reads as 0."""
+        rows = self._db().execute("SELECT key, value FROM settings")
+        out = {"count": 0, "size": 0}
+        out.update((k, v if type(v) is int else 0) for k, v in rows if isinstance(k, str))
+        return out
 
     def _count(self) -> int:
         return self._settings()["count"]
@@ -364,7 +474,8 @@ class DiskBackend(BackendBase):
     # ------------------------------------------------------------ writes
 
     def _prepare(self, key: str, record: Record) -> tuple[Any, int]:
-        head, views = st.encode(record)  # bad dtypes raise here, before any file exists
+        # bad dtypes raise here, before any file exists
+        head, views = st.encode(record, key=key, signer=self.signer)
         return (head, views), len(head) + sum(v.nbytes for v in views)
 
     def _put(self, key: str, payload: Any, size: int) -> int:
@@ -376,39 +487,43 @@ class DiskBackend(BackendBase):
         tmp = self._tmp / f"{pid}-{token}.tmp"
         final = self._data / name
         try:
-            write_file(str(tmp), head, views)
+            write_file(str(tmp), head, views, self._file_mode)
             if not final.parent.is_dir():
-                final.parent.mkdir(exist_ok=True)
+                ensure_dir(final.parent, self._dir_mode)
                 fsync_dir(self._data)
             os.replace(tmp, final)
             fsync_dir(final.parent)
             now = time.time()
             with self._transaction() as db:
-                row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
+                row = db.execute(
+                    "SELECT CAST(file AS BLOB) FROM entries WHERE key = ?", (key,)
+                ).fetchone()
                 db.execute(_UPSERT, (key, name, size, now, now))
                 evicted = [] if self.max_bytes is None else self._evict(db, self.max_bytes, key)
         except BaseException:  # nothing was published: leave no file behind
             unlink(tmp)
             unlink(final)
             raise
-        self._remove_files([row[0] if row else None, *evicted])
+        self._remove_files([self._file_of(key, row[0]) if row else None, *evicted])
         return len(evicted)
 
     def _delete(self, key: str) -> bool:
         with self._transaction() as db:
-            row = db.execute("SELECT file FROM entries WHERE key = ?", (key,)).fetchone()
+            row = db.execute(
+                "SELECT CAST(file AS BLOB) FROM entries WHERE key = ?", (key,)
+            ).fetchone()
             if row is not None:
                 db.execute("DELETE FROM entries WHERE key = ?", (key,))
         if row is None:
             return False
-        self._remove_files([row[0]])
+        self._remove_files([self._file_of(key, row[0])])
         return True
 
     def _clear(self) -> None:
         with self._transaction() as db:
-            files = [f for (f,) in db.execute("SELECT file FROM entries")]
+            rows = db.execute("SELECT key, CAST(file AS BLOB) FROM entries").fetchall()
             db.execute("DELETE FROM entries")
-        self._remove_files(files)
+        self._remove_files(self._file_of(k, f) for k, f in rows if isinstance(k, str))
 
     def _close(self) -> None:
         """Close this process's index connections; a later call opens them again."""
@@ -433,18 +548,25 @@ def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     if host.startswith("~"):
         home = os.path.expanduser(host)
         if home == host:
-            raise ValueError(f"file:// URI {url.geturl()!r}: unknown home folder {host!r}")
+            raise ValueError(
+                f"file:// URI {redact_uri(url.geturl())!r}: unknown home folder {host!r}"
+            )
         root = os.path.join(home, path.lstrip("/"))
     elif host in ("", "localhost"):
         root = path
     else:
         raise ValueError(
-            f"file:// URI {url.geturl()!r} names host {host!r}: use file:///absolute/path "
+            f"file:// URI {redact_uri(url.geturl())!r} names host {url.hostname!r}: use "
+            "file:///absolute/path "
             "or file://~/path (relative to your home)"
         )
     if not root or not os.path.isabs(root):
-        raise ValueError(f"file:// URI {url.geturl()!r} needs a folder path")
+        raise ValueError(f"file:// URI {redact_uri(url.geturl())!r} needs a folder path")
     max_bytes = opts.size("max_bytes", None)
     timeout = opts.float("timeout", 10.0)
+    secret_env = opts.str("secret_env", None)
+    shared_group = opts.bool("shared_group", False)
     opts.done()
-    return DiskBackend(root, max_bytes=max_bytes, timeout=timeout)
+    return DiskBackend(
+        root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env, shared_group=shared_group
+    )

@@ -18,9 +18,57 @@ DATA_NAME = re.compile(r"([0-9a-f]{64})-(\d+)-[0-9a-f]+\.safetensors")
 INDEX_NAME = re.compile(r"index-\d+-\d+\.sqlite(?:-wal|-shm)?")
 
 
-def write_file(path: str, head: bytes, views: list[memoryview]) -> None:
-    """Create ``path`` (it must not exist), write the blob straight from the buffers, fsync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+# (folder mode, file mode): private to the owner by default; ``shared_group=true`` opens the
+# cache to the folder's group on purpose (setgid folders, so new files keep that group).
+PRIVATE_MODES = (0o700, 0o600)
+GROUP_MODES = (0o2770, 0o660)
+
+
+def ensure_dir(path: Path, mode: int) -> None:
+    """Create ``path`` (and missing parents) and give it exactly ``mode``, whatever the umask.
+
+    An existing folder of ours is set to ``mode`` too (caches made by older versions were
+    world-readable); one owned by someone else is left as it is.
+    """
+    path.mkdir(parents=True, exist_ok=True, mode=mode & 0o777)
+    _set_mode(path, mode)
+
+
+def ensure_file(path: Path, mode: int) -> None:
+    """Create ``path`` if missing (empty) with exactly ``mode``; tighten an existing one of ours.
+
+    An existing file is never opened: closing any descriptor of a file drops every POSIX lock
+    this process holds on it, and SQLite's locks on the index (and its -shm) are such locks.
+    """
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, mode)
+    except FileExistsError:
+        pass
+    else:
+        os.close(fd)
+    _set_mode(path, mode)
+
+
+def _set_mode(path: Path | str, mode: int) -> None:
+    try:
+        st = os.stat(path)
+        if st.st_uid == os.getuid() and (st.st_mode & 0o7777) != mode:
+            os.chmod(path, mode)
+    except FileNotFoundError:
+        pass
+
+
+def write_file(path: str, head: bytes, views: list[memoryview], mode: int = 0o600) -> None:
+    """Create ``path`` (it must not exist) with exactly ``mode``, write the blob straight from the
+    buffers, fsync."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags, mode)
+    try:
+        os.fchmod(fd, mode)  # the umask may have removed bits we want (group modes)
+    except BaseException:
+        os.close(fd)
+        raise
     with open(fd, "wb") as f:
         f.write(head)
         for view in views:

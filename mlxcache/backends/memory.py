@@ -10,8 +10,9 @@ from urllib.parse import SplitResult
 import mlx.core as mx
 
 from mlxcache import meta as meta_codec
+from mlxcache import signing
 from mlxcache.backends.base import BackendBase, check_budget
-from mlxcache.options import Options
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 
@@ -84,6 +85,12 @@ class MemoryBackend(BackendBase):
                 out.append(None if item is None else detached(item[0]))
         return out
 
+    def _touch_many(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._data:
+                    self._data.move_to_end(key)
+
     def _delete(self, key: str) -> bool:
         with self._lock:
             old = self._data.pop(key, None)
@@ -120,10 +127,17 @@ class MemoryBackend(BackendBase):
 
 
 def from_uri(url: SplitResult, opts: Options) -> MemoryBackend:
-    """``memory://?max_bytes=2GiB&max_entries=1000``."""
+    """``memory://?max_bytes=2GiB&max_entries=1000``.
+
+    ``secret_env=NAME`` is accepted (and must name a set variable) so one URI template serves
+    every scheme; records never leave this process, so there is nothing to sign or verify.
+    """
     if url.netloc or url.path not in ("", "/"):
-        raise ValueError(f"memory:// takes no host or path, got {url.geturl()!r}")
+        raise ValueError(f"memory:// takes no host or path, got {redact_uri(url.geturl())!r}")
     max_bytes = opts.size("max_bytes", None)
     max_entries = opts.int("max_entries", None)
+    secret_env = opts.str("secret_env", None)
+    if secret_env is not None:
+        signing.resolve(secret_env)
     opts.done()
     return MemoryBackend(max_bytes=max_bytes, max_entries=max_entries)

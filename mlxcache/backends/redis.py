@@ -1,28 +1,21 @@
 """Redis backend: one record per value, a shared LRU index, failures read as misses.
 
-Key layout under ``prefix`` (default ``mlxcache:``)::
-
-    {prefix}v:{key}           the record: a safetensors blob, or a chunk manifest
-    {prefix}c:{gen}:{i}       chunk i of a large record; gen is random per write
-    {prefix}i:lru             ZSET  key -> logical access clock (least recent first)
-    {prefix}i:size            HASH  key -> stored bytes
-    {prefix}i:exp             ZSET  key -> expiry time in server ms (only with ttl)
-    {prefix}i:chunks          HASH  key -> "gen:n" for chunked records
-    {prefix}i:total           bytes of all indexed records
-    {prefix}i:clock           counter that orders accesses
-
-User keys live only under ``v:``, so ``keys()`` scans that namespace alone. Every write and its
-index update run in one MULTI/EXEC (small values) or one Lua script (chunked values), so every
-client sees one true total and evicts by one LRU order. See docs/backends.md.
+The same code serves one server (``redis://``), a Sentinel-managed primary
+(``redis+sentinel://``) and a Redis Cluster (``redis+cluster://``): a router
+(:mod:`mlxcache.backends.redis_routes`) names the server of a hash slot, and the key layout
+(:mod:`mlxcache.backends.redis_keys`) puts every key of a record and its group's LRU index in
+one slot. Every write and its index update run in one MULTI/EXEC (small values) or one Lua
+script (chunked values), so every client sees one true total per group and evicts by one LRU
+order. See docs/backends.md.
 """
 
 from __future__ import annotations
 
 import re
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult
 
 import redis
 from redis._parsers import Encoder
@@ -32,17 +25,23 @@ from redis.exceptions import NoScriptError, RedisError
 from redis.retry import Retry
 
 from mlxcache import format as st
+from mlxcache import signing
 from mlxcache.backends.base import BackendBase, log
 from mlxcache.backends.redis_chunks import (
+    MAX_CHUNKS,
     complete_chunks,
     is_manifest,
     make_manifest,
     parse_manifest,
 )
+from mlxcache.backends.redis_keys import KeyLayout, glob_escape
+from mlxcache.backends.redis_routes import SingleRouter
 from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
-from mlxcache.errors import FormatError, UnsupportedVersionError
-from mlxcache.options import Options
+from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
+from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
+
+__all__ = ["RedisBackend", "from_uri", "glob_escape", "pool_kwargs", "redis_options"]
 
 REDIS_MAX_STRING = 512 * 1024 * 1024
 DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
@@ -64,20 +63,31 @@ _FAILURES = (RedisError, OSError)
 Value = bytes | list[bytes] | FormatError | None
 
 
-def glob_escape(text: str) -> str:
-    """Escape Redis MATCH wildcards so ``text`` matches only itself."""
-    return re.sub(r"([\\*?\[\]])", r"\\\1", text)
+def pool_kwargs(timeout: float) -> dict[str, Any]:
+    """Connection settings every router uses: timeouts, one quick retry, the copy-free packer."""
+    return {
+        "socket_timeout": timeout,
+        "socket_connect_timeout": timeout,
+        "retry": Retry(NoBackoff(), 1),  # one quick retry for a stale pooled connection
+        "command_packer": _PACKER,
+    }
 
 
 class RedisBackend(BackendBase):
     """Records in Redis under a key prefix, with a byte budget and LRU shared by all clients.
 
-    ``url`` is any redis-py URL (``redis://``, ``rediss://``, ``unix://``). ``ttl`` (seconds)
-    applies to every value written; ``max_bytes`` bounds the stored bytes of all clients using
-    the same prefix (None: unbounded, leave it to Redis' ``maxmemory``). Values larger than
-    ``chunk_size`` are split and still committed atomically. When Redis is unreachable every
-    call degrades (miss, no-op, empty) and the server is skipped for a backoff that grows from
-    ``backoff`` to ``max_backoff`` seconds, then tried again.
+    ``url`` is any redis-py URL (``redis://``, ``rediss://``, ``unix://``); or pass a
+    ``router`` (a Sentinel or Cluster router, with ``url`` naming it for logs). ``ttl``
+    (seconds) applies to every value written; ``max_bytes`` bounds the stored bytes of all
+    clients using the same prefix (None: unbounded, leave it to Redis' ``maxmemory``). Keys
+    are split into ``groups`` hash-tagged groups, each with its own LRU and ``max_bytes //
+    groups`` of the budget (1 on one server: one exact LRU; more on a Cluster, to spread over
+    its primaries). Values larger than ``chunk_size`` are split and still committed
+    atomically. When Redis is unreachable every call degrades (miss, no-op, empty) and the
+    server is skipped for a backoff that grows from ``backoff`` to ``max_backoff`` seconds.
+    With a ``signer`` (default: from ``$MLXCACHE_SECRET``, or the variable ``secret_env``
+    names) every record is signed for its key and a value without a valid MAC is rejected
+    (``stats()["rejected"]``) and deleted.
     """
 
     scheme = "redis"
@@ -94,76 +104,120 @@ class RedisBackend(BackendBase):
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         backoff: float = 0.1,
         max_backoff: float = 5.0,
+        signer: signing.Signer | None = None,
+        secret_env: str | None = None,
+        groups: int = 1,
+        router: Any = None,
         **redis_kwargs: Any,
     ) -> None:
         if not isinstance(url, str):
             raise TypeError(f"url must be a str, got {type(url).__name__}")
-        if not isinstance(prefix, str) or not prefix:
-            raise ValueError("prefix must be a non-empty str (clear() deletes what it covers)")
         if ttl is not None and not ttl > 0:
             raise ValueError(f"ttl must be > 0 seconds or None, got {ttl!r}")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
         if not 0 < chunk_size <= REDIS_MAX_STRING:
             raise ValueError(f"chunk_size must be in 1..{REDIS_MAX_STRING} bytes, got {chunk_size}")
+        self.layout = KeyLayout(prefix, groups)
         super().__init__(max_bytes=max_bytes, backoff=backoff, max_backoff=max_backoff)
+        self.signer = signer if signer is not None else signing.resolve(secret_env)
         self.prefix = prefix
+        self.groups = groups
         self.ttl = ttl
         self.timeout = timeout
         self.chunk_size = chunk_size
         self._ttl_ms = 0 if ttl is None else max(1, round(ttl * 1000))
-        self.pool = redis.ConnectionPool.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry=Retry(NoBackoff(), 1),  # one quick retry for a stale pooled connection
-            command_packer=_PACKER,
-            **redis_kwargs,
-        )
-        self.client = redis.Redis(connection_pool=self.pool)
-        self.url = _public_url(url)
-        self._index = [
-            prefix + "i:" + n for n in ("lru", "size", "exp", "chunks", "total", "clock")
-        ]
+        if router is None:
+            pool = redis.ConnectionPool.from_url(url, **pool_kwargs(timeout), **redis_kwargs)
+            router = SingleRouter(pool)
+            url = _public_url(url)
+        self.router = router
+        self.url = url
+        self.pool = getattr(router, "pool", None)  # one server's pool (None on a Cluster)
+        self.client = getattr(router, "one", None)  # and its client
         if max_bytes is not None:
             self.trim(max_bytes)  # opening with a budget enforces it (``mlxcache gc``)
 
     def where(self) -> str:
         return self.url
 
+    @property
+    def group_budget(self) -> int | None:
+        """The byte budget of one key group (``max_bytes // groups``)."""
+        return None if self.max_bytes is None else self.max_bytes // self.groups
+
     def _trim(self, max_bytes: int) -> int:
-        return int(self._script("evict", self._index, [max_bytes]))
+        share = max_bytes // self.groups
+        return sum(int(x) for x in self._each_group("evict", lambda g: [share]))
 
-    # ------------------------------------------------------------ keys and state
+    # ------------------------------------------------------------ routing and scripts
 
-    def _vkey(self, key: str) -> str:
-        return self.prefix + "v:" + key
+    def _client(self, g: int) -> redis.Redis:
+        return self.router.client(self.layout.slots[g])
 
-    def _ckey(self, gen: str, i: int) -> str:
-        return f"{self.prefix}c:{gen}:{i}"
+    def _by_node(self, groups: Iterable[int]) -> list[tuple[redis.Redis, list[int]]]:
+        """Positions of ``groups`` batched by the node serving them (one pipeline each)."""
+        batches: dict[int, tuple[redis.Redis, list[int]]] = {}
+        for i, g in enumerate(groups):
+            c = self._client(g)
+            batches.setdefault(id(c), (c, []))[1].append(i)
+        return list(batches.values())
 
-    def _eval(self, target: Any, name: str, keys: list[str], args: list[Any]) -> Any:
-        return target.evalsha(SHAS[name], len(keys), *keys, self.prefix, *args)
+    def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False) -> None:
+        """Count a failure (see BackendBase.error); a router then reads the topology again, so
+        a failover or a moved slot is followed."""
+        if not isinstance(exc, str):
+            self.router.invalidate()
+        super().error(op, exc, n, logged)
 
-    def _load_scripts(self) -> None:
+    def _eval(self, target: Any, name: str, g: int, keys: list[str], args: list[Any]) -> Any:
+        return target.evalsha(SHAS[name], len(keys), *keys, self.layout.heads[g], *args)
+
+    def _load_scripts(self, client: redis.Redis) -> None:
         for body in SCRIPTS.values():
-            self.client.script_load(body)
+            client.script_load(body)
 
-    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run a script by SHA, loading it once if the server forgot it (restart, flush)."""
+    def _script(self, name: str, g: int, args: list[Any], keys: list[str] | None = None) -> Any:
+        """Run a script on group ``g`` by SHA, loading it once if the server forgot it."""
+        client = self._client(g)
+        keys = self.layout.index[g] if keys is None else keys
         try:
-            return self._eval(self.client, name, keys, args)
+            return self._eval(client, name, g, keys, args)
         except NoScriptError:
-            self._load_scripts()
-            return self._eval(self.client, name, keys, args)
+            self._load_scripts(client)
+            return self._eval(client, name, g, keys, args)
+
+    def _scripts(self, client: redis.Redis, calls: list[tuple[str, int, list, list]]) -> list:
+        """Run ``(script, group, keys, args)`` calls in one pipeline on one node; the scripts
+        are loaded once if the node forgot them (a restart, a promoted replica)."""
+        for attempt in (0, 1):
+            pipe = client.pipeline(transaction=False)
+            for name, g, keys, args in calls:
+                self._eval(pipe, name, g, keys, args)
+            replies = pipe.execute(raise_on_error=False)
+            if attempt == 0 and any(isinstance(r, NoScriptError) for r in replies):
+                self._load_scripts(client)
+                continue
+            for r in replies:
+                if isinstance(r, Exception):
+                    raise r
+            return replies
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _each_group(self, name: str, args: Callable[[int], list[Any]]) -> list[Any]:
+        """Run a script once per group, one pipeline per node; results in group order."""
+        out: list[Any] = [None] * self.groups
+        for client, gs in self._by_node(range(self.groups)):
+            calls = [(name, g, self.layout.index[g], args(g)) for g in gs]
+            for g, r in zip(gs, self._scripts(client, calls), strict=True):
+                out[g] = r
+        return out
 
     def _header(self, key: str) -> st.Header | None:
-        """A record's header without its tensor data (``mlxcache inspect``); None if absent."""
-        return self._read_header(self._vkey(key))
-
-    def _read_header(self, vkey: str) -> st.Header | None:
         """Read the first bytes of a value until its header fits (across chunks if need be)."""
-        pipe = self.client.pipeline(transaction=False)
+        g = self.layout.group(key)
+        client, vkey = self._client(g), self.layout.vkey(key, g)
+        pipe = client.pipeline(transaction=False)
         pipe.getrange(vkey, 0, HEADER_PROBE - 1)
         pipe.strlen(vkey)
         prefix, size = pipe.execute()
@@ -172,14 +226,14 @@ class RedisBackend(BackendBase):
         if not is_manifest(prefix):
             need = st.header_bytes_needed(prefix)
             if need > len(prefix):
-                prefix = self.client.getrange(vkey, 0, need - 1)
+                prefix = client.getrange(vkey, 0, need - 1)
             return st.parse_header(prefix, total_size=size)
         m = parse_manifest(prefix)
         if m is None:
             raise FormatError("malformed chunk manifest")
         head = b""
-        for chunk in self._chunk_keys(m):
-            head += self.client.getrange(chunk, 0, HEADER_PROBE - 1)
+        for chunk in self._chunk_keys(g, m):
+            head += client.getrange(chunk, 0, HEADER_PROBE - 1)
             if len(head) >= st.header_bytes_needed(head):
                 break
         return st.parse_header(head, total_size=m["size"])
@@ -187,99 +241,136 @@ class RedisBackend(BackendBase):
     # ------------------------------------------------------------ writing
 
     def _prepare(self, key: str, record: Record) -> tuple[bytes, int]:
-        blob = st.to_bytes(record)  # raises on a bad dtype before anything is sent
+        # raises on a bad dtype before anything is sent
+        blob = st.to_bytes(record, key=key, signer=self.signer)
+        if -(-len(blob) // self.chunk_size) > MAX_CHUNKS:
+            raise ValueError(
+                f"a record of {len(blob)} bytes needs more than {MAX_CHUNKS} chunks of "
+                f"chunk_size={self.chunk_size}: use a larger chunk_size"
+            )
         return blob, len(blob)
 
     def _put(self, key: str, blob: bytes, size: int) -> int:
+        budget = self.group_budget
+        if self.groups > 1 and budget is not None and size > budget:
+            log.warning(
+                "%s cache: refusing %r (%d bytes) larger than a key group's share of the "
+                "budget (max_bytes=%d / groups=%d)",
+                self.scheme, key, size, self.max_bytes, self.groups,
+            )  # fmt: skip
+            return 0
         if size <= self.chunk_size:
             return self._put_whole(key, blob)
         return self._put_chunked(key, blob)
 
     def _commit_args(self, key: str, size: int, info: str, manifest: bytes) -> list[Any]:
-        max_bytes = -1 if self.max_bytes is None else self.max_bytes
-        return [key, size, self._ttl_ms, max_bytes, info, manifest]
+        budget = self.group_budget
+        return [key, size, self._ttl_ms, -1 if budget is None else budget, info, manifest]
 
     def _put_whole(self, key: str, blob: bytes) -> int:
-        keys = [*self._index, self._vkey(key)]
+        g = self.layout.group(key)
+        client = self._client(g)
+        keys = [*self.layout.index[g], self.layout.vkey(key, g)]
         args = self._commit_args(key, len(blob), "", b"")
-        pipe = self.client.pipeline(transaction=True)
+        pipe = client.pipeline(transaction=True)
         pipe.set(keys[-1], blob, px=self._ttl_ms or None)
-        self._eval(pipe, "commit", keys, args)
+        self._eval(pipe, "commit", g, keys, args)
         _, result = pipe.execute(raise_on_error=False)
         if isinstance(result, NoScriptError):  # the value is set; index it now
-            self._load_scripts()
-            result = self._eval(self.client, "commit", keys, args)
+            self._load_scripts(client)
+            result = self._eval(client, "commit", g, keys, args)
         if isinstance(result, Exception):
             raise result
         return int(result[1])
 
     def _put_chunked(self, key: str, blob: bytes) -> int:
+        g = self.layout.group(key)
+        client = self._client(g)
         view = memoryview(blob)
         size, step = len(blob), self.chunk_size
         gen, n = uuid.uuid4().hex, -(-len(blob) // step)
-        chunk_keys = [self._ckey(gen, i) for i in range(n)]
-        pipe = self.client.pipeline(transaction=False)
+        chunk_keys = [self.layout.ckey(g, gen, i) for i in range(n)]
+        pipe = client.pipeline(transaction=False)
         for i, ck in enumerate(chunk_keys):
             pipe.set(ck, view[i * step : (i + 1) * step], px=PENDING_CHUNK_MS)
         pipe.execute()
         manifest = make_manifest(gen, n, size)
-        keys = [*self._index, self._vkey(key), *chunk_keys]
-        status, evicted = self._script(
-            "commit", keys, self._commit_args(key, size, f"{gen}:{n}", manifest)
-        )
+        keys = [*self.layout.index[g], self.layout.vkey(key, g), *chunk_keys]
+        args = self._commit_args(key, size, f"{gen}:{n}", manifest)
+        status, evicted = self._script("commit", g, args, keys)
         if status != 1:
-            self.client.unlink(*chunk_keys)
+            client.unlink(*chunk_keys)  # one slot: fine on a cluster
             raise RedisError(f"chunks of {key!r} vanished before commit (written too slowly?)")
         return int(evicted)
 
     # ------------------------------------------------------------ reading
 
     def _get_many(self, keys: list[str]) -> list[Record | None]:
-        """Fetch many records in one pipelined round trip (plus one for chunked values)."""
+        """Fetch many records: one pipelined round trip per node (plus one for chunked values)."""
         blobs = self._fetch(keys)
         return [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
 
     def _fetch(self, keys: list[str]) -> list[Value]:
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            vkey = self._vkey(k)
+        groups = [self.layout.group(k) for k in keys]
+        values: list[Value] = [None] * len(keys)
+        for client, pos in self._by_node(groups):
+            found = self._fetch_node(client, [(keys[i], groups[i]) for i in pos])
+            for i, v in zip(pos, found, strict=True):
+                values[i] = v
+        return values
+
+    def _fetch_node(self, client: redis.Redis, items: list[tuple[str, int]]) -> list[Value]:
+        """GET + LRU refresh of keys on one node in one round trip; chunks in one more."""
+        pipe = client.pipeline(transaction=False)
+        for k, g in items:
+            vkey = self.layout.vkey(k, g)
             pipe.get(vkey)
-            self._eval(pipe, "touch", [*self._index, vkey], [k])
+            self._eval(pipe, "touch", g, [*self.layout.index[g], vkey], [k])
         replies = pipe.execute(raise_on_error=False)
         values: list[Value] = replies[0::2]
         for r in values:
             if isinstance(r, Exception):
                 raise r
         if any(isinstance(r, NoScriptError) for r in replies[1::2]):
-            self._load_scripts()  # only the LRU refresh was lost; next time it works
+            self._load_scripts(client)  # only the LRU refresh was lost; next time it works
         manifests = [i for i, v in enumerate(values) if v is not None and is_manifest(v)]
         if manifests:
             parsed = [parse_manifest(values[i]) for i in manifests]
-            pipe = self.client.pipeline(transaction=False)
-            for m in parsed:
+            pipe = client.pipeline(transaction=False)
+            for i, m in zip(manifests, parsed, strict=True):
                 if m:
-                    pipe.mget(self._chunk_keys(m))
+                    pipe.mget(self._chunk_keys(items[i][1], m))  # one slot: fine on a cluster
                 else:
                     pipe.echo(b"")  # keeps replies aligned; _decode reports the bad manifest
             for i, m, chunks in zip(manifests, parsed, pipe.execute(), strict=True):
                 if m:
                     seen, values[i] = values[i], complete_chunks(m, chunks)
                     if values[i] is None:  # replaced under us, or chunks lost: read it again
-                        values[i] = self._read_again(keys[i], seen)
+                        values[i] = self._read_again(client, *items[i], seen)
         return values
 
-    def _chunk_keys(self, m: dict[str, Any]) -> list[str]:
-        return [self._ckey(m["gen"], i) for i in range(m["n"])]
+    def _touch_many(self, keys: list[str]) -> None:
+        """Refresh LRU order of keys (the touch script), one pipeline per node."""
+        groups = [self.layout.group(k) for k in keys]
+        for client, pos in self._by_node(groups):
+            calls = []
+            for i in pos:
+                g, vkey = groups[i], self.layout.vkey(keys[i], groups[i])
+                calls.append(("touch", g, [*self.layout.index[g], vkey], [keys[i]]))
+            self._scripts(client, calls)
 
-    def _read_again(self, key: str, seen: bytes) -> Value:
+    def _chunk_keys(self, g: int, m: dict[str, Any]) -> list[str]:
+        return [self.layout.ckey(g, m["gen"], i) for i in range(m["n"])]
+
+    def _read_again(self, client: redis.Redis, key: str, g: int, seen: bytes) -> Value:
         """Read a chunked value once more; the same manifest with chunks still missing is lost."""
-        value = self.client.get(self._vkey(key))
+        value = client.get(self.layout.vkey(key, g))
         if value is None or not is_manifest(value):
             return value
         m = parse_manifest(value)
         if m is None:
             return value  # let _decode report it
-        chunks = complete_chunks(m, self.client.mget(self._chunk_keys(m)))
+        chunks = complete_chunks(m, client.mget(self._chunk_keys(g, m)))
         if chunks is None and value == seen:  # evicted by Redis' maxmemory, deleted by hand...
             return FormatError("chunks of a large value are missing")
         return chunks
@@ -291,8 +382,8 @@ class RedisBackend(BackendBase):
             if isinstance(value, FormatError):
                 raise value
             if isinstance(value, list):  # chunks: freed one by one as they are decoded
-                return st.from_buffers(value, consume=True)
-            return st.from_bytes(value)
+                return st.from_buffers(value, consume=True, key=key, signer=self.signer)
+            return st.from_bytes(value, key=key, signer=self.signer)
         except UnsupportedVersionError as exc:  # a newer mlxcache shares this server: keep it
             self._rlog.warning("version", "redis cache: skipping %r: %s", key, exc)
             return None
@@ -300,10 +391,14 @@ class RedisBackend(BackendBase):
             self.error("get", f"out of memory decoding {key!r}")
             return None
         except FormatError as exc:
-            self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
+            if isinstance(exc, UntrustedRecordError):
+                self._counters.add("rejected")
+                self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
+            else:
+                self.error("get", f"unreadable value {key!r}: {exc}", logged=True)
             log.warning("redis cache: deleting unreadable value %r: %s", key, exc)
             try:
-                self._script("drop", self._index, [key])
+                self._script("drop", self.layout.group(key), [key])
             except _FAILURES as err:
                 self.error("delete", err)
             return None
@@ -311,84 +406,131 @@ class RedisBackend(BackendBase):
     # ------------------------------------------------------------ the rest of the protocol
 
     def _delete(self, key: str) -> bool:
-        return bool(self._script("drop", self._index, [key]))
+        return bool(self._script("drop", self.layout.group(key), [key]))
 
     def _contains_many(self, keys: list[str]) -> list[bool]:
-        """EXISTS for many keys in one pipelined round trip."""
-        pipe = self.client.pipeline(transaction=False)
-        for k in keys:
-            pipe.exists(self._vkey(k))
-        return [bool(x) for x in pipe.execute()]
+        """EXISTS for many keys: one pipelined round trip per node."""
+        groups = [self.layout.group(k) for k in keys]
+        found = [False] * len(keys)
+        for client, pos in self._by_node(groups):
+            pipe = client.pipeline(transaction=False)
+            for i in pos:
+                pipe.exists(self.layout.vkey(keys[i], groups[i]))
+            for i, x in zip(pos, pipe.execute(), strict=True):
+                found[i] = bool(x)
+        return found
 
     def _keys(self, prefix: str) -> Iterator[str]:
-        """User keys starting with ``prefix`` (SCAN, never KEYS; internal keys never listed)."""
-        start = len(self.prefix.encode()) + 2
-        pattern = glob_escape(self._vkey(prefix)) + "*"
+        """User keys starting with ``prefix`` (SCAN of every primary, never KEYS)."""
+        pattern = self.layout.value_pattern(prefix)
         seen: set[bytes] = set()
-        for raw in self.client.scan_iter(match=pattern, count=1000):
-            if raw not in seen:
-                seen.add(raw)
-                yield raw[start:].decode("utf-8", "replace")
+        for client in self.router.clients():
+            for raw in client.scan_iter(match=pattern, count=1000):
+                if raw not in seen:
+                    seen.add(raw)
+                    key = self.layout.user_key(raw)
+                    if key is not None and key.startswith(prefix):
+                        yield key
 
     def _count(self) -> int:
-        return int(self._script("stats", self._index, [])[0])
+        return self._stats()["entries"]
 
     def _clear(self) -> None:
-        """Remove every key under our prefix (SCAN + UNLINK); other keys are untouched."""
-        pattern = glob_escape(self.prefix) + "[vci]:*"
-        batch: list[bytes] = []
-        for raw in self.client.scan_iter(match=pattern, count=1000):
-            batch.append(raw)
-            if len(batch) >= 1000:
-                self.client.unlink(*batch)
-                batch.clear()
-        if batch:
-            self.client.unlink(*batch)
+        """Remove every key under our prefix (SCAN + UNLINK); other keys are untouched.
+
+        Keys of the layout before key groups (``{prefix}v:...``) are removed too."""
+        for client in self.router.clients():
+            for pattern in self.layout.all_patterns():
+                batch: list[bytes] = []
+                for raw in client.scan_iter(match=pattern, count=1000):
+                    batch.append(raw)
+                    if len(batch) >= 1000:
+                        _unlink(client, batch)
+                        batch.clear()
+                _unlink(client, batch)
 
     def _stats(self) -> dict[str, Any]:
         """Entries and bytes from the shared index (hits/misses/...: this process's)."""
-        entries, nbytes = self._script("stats", self._index, [])
-        return {"entries": int(entries), "bytes": int(nbytes)}
+        found = self._each_group("stats", lambda g: [])
+        out: dict[str, Any] = {
+            "entries": sum(int(e) for e, _ in found),
+            "bytes": sum(int(b) for _, b in found),
+        }
+        nodes: dict[str, dict[str, int]] = {}
+        for g, (e, b) in enumerate(found):
+            name = self.router.node_name(self.layout.slots[g])
+            if name is not None:  # a cluster: how the groups and bytes spread over primaries
+                n = nodes.setdefault(name, {"groups": 0, "entries": 0, "bytes": 0})
+                n["groups"] += 1
+                n["entries"] += int(e)
+                n["bytes"] += int(b)
+        if nodes:
+            out["nodes"] = nodes
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {
             "url": self.url,
             "prefix": self.prefix,
+            "groups": self.groups,
             "ttl": self.ttl,
             "chunk_size": self.chunk_size,
         }
 
     def _close(self) -> None:
         """Close pooled connections (a later call would open new ones)."""
-        self.pool.disconnect()
+        self.router.close()
 
     def __repr__(self) -> str:
         return f"RedisBackend({self.url!r}, prefix={self.prefix!r})"
 
 
+def _unlink(client: redis.Redis, names: list[bytes]) -> None:
+    """UNLINK one key per command (keys of many slots may share a cluster node)."""
+    if names:
+        pipe = client.pipeline(transaction=False)
+        for name in names:
+            pipe.unlink(name)
+        pipe.execute()
+
+
 def _public_url(url: str) -> str:
-    """The URL without its password (user name, host, port, path and db kept)."""
-    parts = urlsplit(url)
-    netloc = parts.hostname or ""
-    if ":" in netloc:
-        netloc = f"[{netloc}]"
-    if parts.port:
-        netloc += f":{parts.port}"
-    if parts.username:
-        netloc = f"{parts.username}@{netloc}"
-    return f"{parts.scheme}://{netloc}{parts.path}"
+    """The URL fit to print: ``user:***@host:port/db``, never the password."""
+    return redact_uri(url)
 
 
 _REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_reqs",
                   "ssl_ca_certs", "ssl_certfile", "ssl_keyfile")  # fmt: skip
 
 
+def redis_options(
+    opts: Options, *, groups: int, names: tuple[str, ...] = _REDIS_OPTIONS
+) -> dict[str, Any]:
+    """The typed options every Redis scheme takes, then redis-py's own (``names``)."""
+    out: dict[str, Any] = {
+        "prefix": opts.str("prefix", "mlxcache:"),
+        "ttl": opts.float("ttl", None, minimum=0.001),
+        "timeout": opts.float("timeout", DEFAULT_TIMEOUT, minimum=0.001),
+        "max_bytes": opts.size("max_bytes", None),
+        "chunk_size": opts.size("chunk_size", DEFAULT_CHUNK_SIZE),
+        "backoff": opts.float("backoff", 0.1, minimum=0.001),
+        "max_backoff": opts.float("max_backoff", 5.0, minimum=0.001),
+        "groups": opts.int("groups", groups, minimum=1),
+        "secret_env": opts.str("secret_env", None),
+    }
+    for name in names:
+        value = opts.int(name, None) if name in ("db", "max_connections") else opts.str(name, None)
+        if value is not None:
+            out[name] = value
+    return out
+
+
 def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
     """``redis://[user:password@]host:port/db``, ``rediss://...``, ``unix:///path.sock?db=0``.
 
     Options: prefix, ttl (s), timeout (s), max_bytes, chunk_size, backoff (s), max_backoff (s),
-    and for redis-py: db, username, password, max_connections, ssl_cert_reqs, ssl_ca_certs,
-    ssl_certfile, ssl_keyfile.
+    groups (default 1), secret_env, and for redis-py: db, username, password, max_connections,
+    ssl_cert_reqs, ssl_ca_certs, ssl_certfile, ssl_keyfile.
     """
     scheme = url.scheme.lower()
     try:
@@ -400,28 +542,7 @@ def from_uri(url: SplitResult, opts: Options) -> RedisBackend:
             raise ValueError("unix:// needs an absolute socket path, like unix:///run/redis.sock")
     elif url.path not in ("", "/") and not re.fullmatch(r"/\d+", url.path):
         raise ValueError(f"{scheme}:// path must be a database number like /0, got {url.path!r}")
-    prefix = opts.str("prefix", "mlxcache:")
-    ttl = opts.float("ttl", None, minimum=0.001)
-    timeout = opts.float("timeout", DEFAULT_TIMEOUT, minimum=0.001)
-    max_bytes = opts.size("max_bytes", None)
-    chunk_size = opts.size("chunk_size", DEFAULT_CHUNK_SIZE)
-    backoff = opts.float("backoff", 0.1, minimum=0.001)
-    max_backoff = opts.float("max_backoff", 5.0, minimum=0.001)
-    extra: dict[str, Any] = {}
-    for name in _REDIS_OPTIONS:
-        value = opts.int(name, None) if name in ("db", "max_connections") else opts.str(name, None)
-        if value is not None:
-            extra[name] = value
+    kwargs = redis_options(opts, groups=1)
     opts.done()
     base = f"{scheme}://{url.netloc}{url.path}"  # urlunsplit drops "//" of unix:///x
-    return RedisBackend(
-        base,
-        prefix=prefix,
-        ttl=ttl,
-        timeout=timeout,
-        max_bytes=max_bytes,
-        chunk_size=chunk_size,
-        backoff=backoff,
-        max_backoff=max_backoff,
-        **extra,
-    )
+    return RedisBackend(base, **kwargs)

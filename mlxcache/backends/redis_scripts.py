@@ -12,16 +12,38 @@ _LUA_COMMON = """
 local P = ARGV[1]
 local LRU, SIZE, EXP, CHUNKS, TOTAL, CLOCK = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 
+-- index values are data anyone with access could have written: numbers are read strictly
+-- (a malformed one counts as 0) and a chunk list is bounded, so no value can make a script
+-- fail forever or loop for long
+local function int_or_0(v)
+  if type(v) == 'string' and #v <= 18 and string.match(v, '^%-?%d+$') then return tonumber(v) end
+  return 0
+end
+
 local function unlink_chunks(info)
-  local gen, n = string.match(info, '^(.*):(%d+)$')
-  if not gen then return end
+  local gen, n = string.match(info, '^([0-9a-f]+):(%d+)$')
+  if not gen or #n > 6 or tonumber(n) > 65536 then return end
   for i = 0, tonumber(n) - 1 do redis.call('UNLINK', P .. 'c:' .. gen .. ':' .. i) end
+end
+
+local function total()
+  local t = redis.call('GET', TOTAL)
+  if t and int_or_0(t) == 0 and t ~= '0' then redis.call('SET', TOTAL, 0) end
+  return int_or_0(t)
+end
+
+local function tick()
+  local ok = redis.pcall('INCR', CLOCK)
+  if type(ok) == 'number' then return ok end
+  redis.call('SET', CLOCK, 1)
+  return 1
 end
 
 -- forget a key everywhere; returns 1 if its value still existed
 local function drop(member)
-  local size = redis.call('HGET', SIZE, member)
-  if size then redis.call('DECRBY', TOTAL, size) end
+  total()
+  local size = int_or_0(redis.call('HGET', SIZE, member))
+  if size ~= 0 then redis.call('DECRBY', TOTAL, size) end
   redis.call('HDEL', SIZE, member)
   redis.call('ZREM', LRU, member)
   redis.call('ZREM', EXP, member)
@@ -45,10 +67,6 @@ local function sweep(now)
     for _, m in ipairs(gone) do drop(m) end
     if #gone < 512 then return end
   end
-end
-
-local function total()
-  return tonumber(redis.call('GET', TOTAL) or '0')
 end
 """
 
@@ -77,11 +95,12 @@ if manifest ~= '' then
 end
 local old = redis.call('HGET', CHUNKS, member)
 if old and old ~= info then unlink_chunks(old) end
-local old_size = redis.call('HGET', SIZE, member)
-if old_size then redis.call('DECRBY', TOTAL, old_size) end
+total()
+local old_size = int_or_0(redis.call('HGET', SIZE, member))
+if old_size ~= 0 then redis.call('DECRBY', TOTAL, old_size) end
 redis.call('HSET', SIZE, member, size)
 redis.call('INCRBY', TOTAL, size)
-redis.call('ZADD', LRU, redis.call('INCR', CLOCK), member)
+redis.call('ZADD', LRU, tick(), member)
 if info ~= '' then redis.call('HSET', CHUNKS, member, info)
 else redis.call('HDEL', CHUNKS, member) end
 if ttl > 0 then redis.call('ZADD', EXP, now + ttl, member) else redis.call('ZREM', EXP, member) end
@@ -106,7 +125,7 @@ _TOUCH = (
     + """
 if redis.call('EXISTS', KEYS[7]) == 1 then
   if redis.call('ZSCORE', LRU, ARGV[2]) then
-    redis.call('ZADD', LRU, redis.call('INCR', CLOCK), ARGV[2])
+    redis.call('ZADD', LRU, tick(), ARGV[2])
   end
   return 1
 end

@@ -12,13 +12,18 @@ line, never an exception into the server.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
+from queue import Queue
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlxcache.backends.base import CacheBackend
@@ -29,13 +34,17 @@ log = logging.getLogger("mlxcache")
 
 # cache classes whose trim() only moves counters, so a shallow copy can be trimmed safely
 _COUNTER_TRIM = {"KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}
-_RECENT_PROMPTS = 256
+_RECENT_PROMPTS = 64  # prompts remembered (as fingerprints) to store their length minus one
 
 
 def default_identity(model_key: Any) -> str:
     """A model identity from mlx-lm's model key ``(model_path, adapter_path, draft_path)``."""
     parts = model_key if isinstance(model_key, tuple | list) else (model_key,)
     return "mlx-lm-key:" + json.dumps([None if p is None else str(p) for p in parts])
+
+
+def _digest(tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 def _holds(prompt_cache: Sequence[Any]) -> int | None:
@@ -70,7 +79,9 @@ class SharedPromptCache(LRUPromptCache):
     mlx-lm's class). ``backend`` is a URI or a ``CacheBackend`` (None: ``$MLXCACHE_URL``, else
     the embedded default). ``identity(model_key)`` names a model for the shared keys (two
     processes share KV only when it matches; default: the model key's paths). Set
-    ``persist=False`` for a plain hot LRU.
+    ``persist=False`` for a plain hot LRU. With ``background=True`` stores run on one writer
+    thread (at most ``max_pending`` waiting, so the caller never runs far ahead); callbacks of
+    ``after_next_insert`` run when the store is done, and ``flush()`` waits for all of them.
     """
 
     def __init__(
@@ -83,6 +94,8 @@ class SharedPromptCache(LRUPromptCache):
         block_size: int = 256,
         salt: str = "",
         persist: bool = True,
+        background: bool = False,
+        max_pending: int = 2,
     ) -> None:
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.identity, self.block_size, self.salt = identity, block_size, salt
@@ -94,12 +107,15 @@ class SharedPromptCache(LRUPromptCache):
             else:
                 self.backend, self._owns_backend = open_backend(backend), True
         self._prefix: dict[str, PrefixCache] = {}
-        self._recent: deque[tuple[Any, tuple[int, ...]]] = deque(maxlen=_RECENT_PROMPTS)
+        # (model key, length, last token, digest) of recently fetched prompts: a few bytes each
+        self._recent: deque[tuple[Any, int, int, bytes]] = deque(maxlen=_RECENT_PROMPTS)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("fetches", "hot_hits", "backend_hits", "misses", "tokens_hot", "tokens_backend",
              "stores", "tokens_stored", "store_errors", "lookup_errors"), 0)  # fmt: skip
         self._done: list[Callable[[], None]] = []
+        self._jobs: Queue | None = Queue(maxsize=max(1, max_pending)) if background else None
+        self._writer: threading.Thread | None = None
 
     # ---------------------------------------------------------------- the shared tier
 
@@ -128,7 +144,8 @@ class SharedPromptCache(LRUPromptCache):
         ``len(tokens) - 1`` tokens (the last one is always run).
         """
         self._count(fetches=1)
-        self._recent.append((model, tuple(tokens)))
+        if tokens:
+            self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
         hot = len(tokens) - len(rest) if cache is not None else 0
         hit = self._lookup(model, tokens, hot) if hot < len(tokens) - 1 else None
@@ -171,24 +188,65 @@ class SharedPromptCache(LRUPromptCache):
         restores everything but its last token.
         """
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
-        try:
-            self._store(model, list(tokens), prompt_cache)
-        finally:
-            self._release()
+        with self._lock:
+            done, self._done = self._done, []
+        tokens = list(tokens)
+        job = (model, tokens, list(prompt_cache), self._prompt_of(model, tokens), done)
+        if self._jobs is None:
+            self._run(job)
+            return
+        try:  # what the writer thread reads must be evaluated on this thread (MLX streams)
+            self.prefix_cache(model)
+            mx.eval([a for _, a in tree_flatten([c.state for c in prompt_cache])
+                     if isinstance(a, mx.array)])  # fmt: skip
+        except Exception as e:
+            log.warning("mlx-lm prompt cache: cannot store this cache: %s", e)
+        if self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_loop, name="mlxcache-prompt-store", daemon=True
+            )
+            self._writer.start()
+        self._jobs.put(job)
 
-    def _store(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
+    def _write_loop(self) -> None:
+        assert self._jobs is not None
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                self._run(job)
+            finally:
+                self._jobs.task_done()
+
+    def _run(self, job: tuple) -> None:
+        model, tokens, layers, prompt, done = job
+        try:
+            self._store(model, tokens, layers, prompt)
+        finally:
+            for cb in done:
+                try:
+                    cb()
+                except Exception as e:
+                    log.warning("mlx-lm prompt cache: a completion callback failed: %s", e)
+
+    def flush(self) -> None:
+        """Wait until every insert so far is stored (immediate without ``background``)."""
+        if self._jobs is not None:
+            self._jobs.join()
+
+    def _store(self, model: Any, tokens: list[int], layers: list[Any], prompt: int | None) -> None:
         try:
             pc = self.prefix_cache(model)
-            if pc is None or not tokens or not prompt_cache:
+            if pc is None or not tokens or not layers:
                 return
-            n = _holds(prompt_cache)
+            n = _holds(layers)
             n = len(tokens) if n is None else n
             if n > len(tokens) or n <= 0:
                 return
-            written = pc.store(tokens[:n], prompt_cache)
-            prompt = self._prompt_of(model, tokens)
+            written = pc.store(tokens[:n], layers)
             if prompt is not None and 1 < prompt < n:
-                part = _trimmed_copy(prompt_cache, n - (prompt - 1))
+                part = _trimmed_copy(layers, n - (prompt - 1))
                 if part is not None:
                     written += pc.store(tokens[: prompt - 1], part)
             self._count(stores=1, tokens_stored=written)
@@ -199,32 +257,23 @@ class SharedPromptCache(LRUPromptCache):
     def _prompt_of(self, model: Any, tokens: list[int]) -> int | None:
         """The length of the longest recently fetched prompt that ``tokens`` extends."""
         best = None
-        for m, p in self._recent:
-            n = len(p)
-            if m == model and n <= len(tokens) and (best is None or n > best):
-                if n and tokens[n - 1] == p[-1] and tuple(tokens[:n]) == p:
-                    best = n
+        for m, n, last, digest in self._recent:
+            if m != model or n > len(tokens) or (best is not None and n <= best):
+                continue
+            if tokens[n - 1] == last and _digest(tokens[:n]) == digest:
+                best = n
         return best
 
     # ---------------------------------------------------------------- response gating
 
     def after_next_insert(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` after the next ``insert_cache`` has stored (on the calling thread).
+        """Run ``callback`` once the next ``insert_cache`` has stored (on the storing thread).
 
         mlx-lm's generation thread ends a response, then inserts its cache: ``mlxcache serve``
         holds the end of the response back until then, so an answered request is stored.
         """
         with self._lock:
             self._done.append(callback)
-
-    def _release(self) -> None:
-        with self._lock:
-            done, self._done = self._done, []
-        for cb in done:
-            try:
-                cb()
-            except Exception as e:
-                log.warning("mlx-lm prompt cache: a completion callback failed: %s", e)
 
     # ---------------------------------------------------------------- the rest
 
@@ -238,7 +287,11 @@ class SharedPromptCache(LRUPromptCache):
         return out
 
     def close(self) -> None:
-        """Close the backend if this object opened it."""
+        """Finish pending stores, stop the writer thread, close the backend if it is ours."""
+        if self._writer is not None and self._jobs is not None:
+            self._jobs.put(None)
+            self._writer.join()
+            self._writer = None
         if self._owns_backend and self.backend is not None:
             self.backend.close()
 

@@ -10,7 +10,6 @@ answering has lost nothing it answered.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
@@ -29,6 +28,7 @@ def _options() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mlxcache serve",
         add_help=False,
+        allow_abbrev=False,  # never take one of mlx-lm's options for an abbreviation of ours
         description="mlx-lm's server (every mlx_lm.server option) with a persistent prompt "
         "cache. mlxcache's own options:",
     )
@@ -50,25 +50,14 @@ def _options() -> argparse.ArgumentParser:
     return p
 
 
-class _Model:
-    """What ``model_identity`` reads: mlx-lm models carry ``.args``, not ``.config``."""
-
-    def __init__(self, model: Any) -> None:
-        args = getattr(model, "args", None)
-        self.config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else {}
-        self.parameters, self.modules = model.parameters, model.modules
-
-
 def lm_identity(model: Any, name: str) -> str:
     """The ``PrefixCache`` model identity of a loaded mlx-lm model called ``name``."""
     from mlxcache.model_id import model_identity
 
-    if getattr(model, "config", None) is None:
-        model = _Model(model)
     return model_identity(model, name=name)
 
 
-def _key_name(model_key: Any, override: str | None) -> str:
+def key_name(model_key: Any, override: str | None) -> str:
     """``--model`` (a local folder by its real path), adapter and draft model, joined."""
     parts = list(model_key) if isinstance(model_key, tuple | list) else [model_key]
     names = [
@@ -83,8 +72,8 @@ def _key_name(model_key: Any, override: str | None) -> str:
 class _HeldEnd:
     """Forwards a response queue but holds its end marker until the prompt cache has stored."""
 
-    def __init__(self, queue: Queue, prompt_cache: Any) -> None:
-        self._queue, self._cache = queue, prompt_cache
+    def __init__(self, queue: Queue, prompt_cache: Any, timeout: float = END_TIMEOUT) -> None:
+        self._queue, self._cache, self._timeout = queue, prompt_cache, timeout
         self._lock = threading.Lock()
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
@@ -98,12 +87,13 @@ class _HeldEnd:
                 if sent[0]:
                     return
                 sent[0] = True
+            timer.cancel()
             self._queue.put(None)
 
-        self._cache.after_next_insert(release)
-        timer = threading.Timer(END_TIMEOUT, release)  # never hold a response forever
+        timer = threading.Timer(self._timeout, release)  # never hold a response forever
         timer.daemon = True
         timer.start()
+        self._cache.after_next_insert(release)
 
 
 class _Requests(Queue):
@@ -160,7 +150,7 @@ def make_run(options: argparse.Namespace):
 
         def identity(model_key: Any) -> str:
             if model_key not in names:
-                name = _key_name(model_key, options.cache_model_name)
+                name = key_name(model_key, options.cache_model_name)
                 model = model_provider.model if model_provider.model_key == model_key else None
                 names[model_key] = lm_identity(model, name) if model is not None else name
             return names[model_key]
@@ -173,6 +163,7 @@ def make_run(options: argparse.Namespace):
             identity=identity,
             block_size=options.cache_block_size,
             salt=options.cache_salt,
+            background=True,  # stores run beside generation; a response still waits for its own
         )
         log.info("mlxcache serve: prompt cache %r", prompt_cache)
         generator = _response_generator_class()(model_provider, prompt_cache)

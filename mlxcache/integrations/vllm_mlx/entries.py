@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from mlxcache.backends.base import CacheBackend, is_persistent
+from mlxcache.errors import RecordTooLargeError
 from mlxcache.integrations.vllm_mlx.payloads import Missing, Packer, true_nbytes
 from mlxcache.record import Record
 from mlxcache.uri import open_backend
@@ -126,7 +127,12 @@ class EntryStore:
 
     def write(self, key: str, record: Record, live: dict[str, Any]) -> bool:
         """Put and confirm: False (and nothing kept) when the backend did not keep it."""
-        self.backend.put(key, record)
+        try:
+            self.backend.put(key, record)
+        except RecordTooLargeError as exc:  # e.g. a prompt of millions of tokens: not cached
+            self.log.warning("%s: not storing %s: %s", self.what, key[:40], exc)
+            self.live.pop(key, None)
+            return False
         if key not in self.backend:  # unreachable, or over the backend's own max_bytes
             self.log.warning("%s: the backend did not keep %s", self.what, key[:40])
             self.live.pop(key, None)

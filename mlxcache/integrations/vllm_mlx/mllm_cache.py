@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from mlxcache.backends.base import CacheBackend
+from mlxcache.errors import RecordTooLargeError
 from mlxcache.integrations.vllm_mlx import payloads
 from mlxcache.integrations.vllm_mlx.entries import LRU, EntryStore, Slot
 from mlxcache.integrations.vllm_mlx.keys import (
@@ -182,7 +183,11 @@ class MLLMPrefixCacheManager:
 
     def _write_index(self, group: str, items: list[dict[str, Any]]) -> None:
         if items:
-            self._backend.put(INDEX_PREFIX + group, Record(meta={"v": _VERSION, "entries": items}))
+            record = Record(meta={"v": _VERSION, "entries": items})
+            try:
+                self._backend.put(INDEX_PREFIX + group, record)
+            except RecordTooLargeError as exc:  # lines hold token ids: huge prompts x many
+                logger.warning("MLLM cache: index of %s not stored: %s", group[:16], exc)
         else:
             self._backend.delete(INDEX_PREFIX + group)
 
@@ -237,6 +242,12 @@ class MLLMPrefixCacheManager:
     @staticmethod
     def _entry(rec: Record, live: dict[str, Any] | None) -> MLLMPrefixCacheEntry:
         m = rec.meta
+        types = {"image_hash": str, "prompt_hash": str, "model_name": str, "created_at": float}
+        types |= dict.fromkeys(("num_image_tokens", "num_text_tokens", "prompt_tokens"), int)
+        for name, want in types.items():  # stored data: a wrong type is a damaged record
+            ok = isinstance(m[name], int | float) if want is float else type(m[name]) is want
+            if not ok or isinstance(m[name], bool):
+                raise ValueError(f"{name} has the wrong type")
         return MLLMPrefixCacheEntry(
             image_hash=m["image_hash"],
             prompt_hash=m["prompt_hash"],

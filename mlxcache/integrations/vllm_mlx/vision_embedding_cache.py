@@ -196,6 +196,10 @@ class VisionEmbeddingCache:
             f: payloads.unpack(f, m["fields"][f], rec, live, copy_live=True) for f in _FIELDS[kind]
         }
         values.update({s: m[s] for s in _SCALARS[kind]})
+        for name in _SCALARS[kind]:  # stored data: a wrong type is a damaged record, a miss
+            want = int if name == "first_token" else int | float
+            if isinstance(values[name], bool) or not isinstance(values[name], want):
+                raise ValueError(f"{name} is not a number")
         if kind == _PIXEL:
             values["extra_kwargs"] = {
                 k: payloads.unpack(f"x/{k}", d, rec, live, copy_live=True)
