@@ -123,6 +123,7 @@ def run_demo(
     salt = f"mlxcache-demo-{uuid.uuid4().hex[:16]}"  # a fresh namespace: the cold run is cold
 
     with Progress("demo", total=3) as bar:
+        bar.phase("building the tiny Qwen2-VL (random weights, nothing downloaded)")
         model, _ = build_model(MODEL, SEED)
         try:
             cache = _open(uri, salt, block_size, model)
@@ -130,9 +131,11 @@ def run_demo(
             print(f"mlxcache demo: cannot open the cache {uri}: {e}", file=sys.stderr)
             return 2
         bar.advance()
+        bar.phase(f"cold request: prefill of {prompt_tokens} tokens with an image, then store")
         ids = prompt_ids(prompt_tokens)
         cold = _request(model, cache, ids, max_tokens)
         bar.advance()
+        bar.phase("a new process: the same request warm, a follow-up turn, the follow-up uncached")
         cmd = [sys.executable, "-m", "mlxcache.demo", "--worker", "--cache", uri,
                "--salt", salt, "--prompt-tokens", str(prompt_tokens),
                "--max-tokens", str(max_tokens), "--block-size", str(block_size),

@@ -143,12 +143,14 @@ def run_lm_demo(
     try:
         model = str(build_tiny_lm(os.path.join(work, "tiny-lm"), **LM_SIZE))
         with Progress("demo", total=3) as bar:
+            bar.phase("mlxcache serve (tiny llama): a cold chat request, then SIGKILL")
             first = _Server(model, uri, salt, log)
             try:
                 cold = first.chat(ask, max_tokens)
             finally:
                 first.kill()  # no shutdown, no flush: what it answered is already stored
             bar.advance()
+            bar.phase("a restarted server: the same request warm and a follow-up turn")
             follow = ask + [
                 {"role": "assistant", "content": cold["text"]},
                 {"role": "user", "content": "And then, what happened next?"},
@@ -160,6 +162,7 @@ def run_lm_demo(
             finally:
                 second.kill()
             bar.advance()
+            bar.phase("a server without the shared cache: the follow-up uncached, for comparison")
             third = _Server(model, "memory://", salt, log)
             try:
                 ref = third.chat(follow, max_tokens)

@@ -90,8 +90,8 @@ def verify(
 ) -> None:
     """Check the checksum, or with a signer the MAC (which covers everything it covers)."""
     if signer is None:
-        checksum, _ = digest(header.meta_bytes, header.tensors, buffers(), checksum=True)
-        if checksum != header.checksum:
+        actual_sum, _ = digest(header.meta_bytes, header.tensors, buffers(), checksum=True)
+        if actual_sum != header.checksum:
             raise FormatError("checksum mismatch: the record is corrupt")
         return
     if not isinstance(key, str):
@@ -110,8 +110,8 @@ def verify(
     _, actual = digest(
         header.meta_bytes, header.tensors, buffers(), checksum=False, mac=hasher, key=key
     )
-    if not hmac.comparedigest(actual or "", expected):
-        checksum, _ = digest(header.meta_bytes, header.tensors, buffers(), checksum=True)
-        if checksum != header.checksum:  # a second pass only on failure, to name the cause
+    if not hmac.compare_digest(actual or "", expected):
+        actual_sum, _ = digest(header.meta_bytes, header.tensors, buffers(), checksum=True)
+        if actual_sum != header.checksum:  # a second pass only on failure, to name the cause
             raise FormatError("checksum mismatch: the record is corrupt")
         raise UntrustedRecordError("MAC mismatch: forged, or replayed from another key")

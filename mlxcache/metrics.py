@@ -7,6 +7,8 @@ counted twice and counters only grow (``clear()`` deletes entries, never counts)
     mlxcache_backend_{hits,misses,evictions,errors,rejected,bytes_read,bytes_written}_total
     mlxcache_backend_{entries,bytes}                          gauges, from the store itself
     mlxcache_backend_{get,put}_seconds                        histograms
+    mlxcache_fleet_{hits,misses,...}_total                    every process's, summed in the
+                                                              store (file://, redis://)
     mlxcache_prefix_{lookups,hits,misses,tokens_requested,hit_tokens,stored_tokens,
                      vision_hits,rejected}_total              per PrefixCache (label model)
 
@@ -20,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 try:
-    from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
     from prometheus_client.core import (
         CounterMetricFamily,
         GaugeMetricFamily,
@@ -34,6 +36,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without the extr
     ) from exc
 
 from mlxcache.backends.counters import BUCKETS
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _BACKEND_COUNTERS = ("hits", "misses", "evictions", "errors", "rejected", "bytes_read",
                      "bytes_written")  # fmt: skip
@@ -95,6 +99,11 @@ class CacheCollector(Collector):
         }
         entries = GaugeMetricFamily("mlxcache_backend_entries", "records stored", labels=labels)
         nbytes = GaugeMetricFamily("mlxcache_backend_bytes", "bytes stored", labels=labels)
+        fleet = {
+            n: CounterMetricFamily(f"mlxcache_fleet_{n}", f"{_HELP[n]}, all processes",
+                                   labels=labels)
+            for n in _BACKEND_COUNTERS
+        }  # fmt: skip
         hists = {
             op: HistogramMetricFamily(
                 f"mlxcache_backend_{op}_seconds", f"duration of {op} calls", labels=labels
@@ -108,11 +117,15 @@ class CacheCollector(Collector):
                 family.add_metric(values, float(stats.get(name, 0)))
             entries.add_metric(values, float(stats.get("entries", 0)))
             nbytes.add_metric(values, float(stats.get("bytes", 0)))
+            for name, family in fleet.items():
+                if isinstance(stats.get("fleet"), dict):
+                    family.add_metric(values, float(stats["fleet"].get(name, 0)))
             latency = getattr(backend, "latency", None)
             for op, (counts, total) in (latency.snapshot() if latency else {}).items():
                 if op in hists:
                     hists[op].add_metric(values, _cumulative(counts), total)
         yield from counters.values()
+        yield from fleet.values()
         yield entries
         yield nbytes
         yield from hists.values()

@@ -131,27 +131,27 @@ manifest = s.fixed_dictionaries(
 def test_redis_values_chunks_and_index_values(redis_url, value, chunks, field, index_value):
     r = redis.Redis.from_url(redis_url)
     b = mlxcache.open_backend(redis_url, chunk_size=64)
-    if not r.exists("mlxcache:v:good"):
+    if not r.exists("mlxcache:{0}v:good"):
         b.put("good", GOOD)
-    r.set("mlxcache:v:k", value)
+    r.set("mlxcache:{0}v:k", value)
     for i, c in enumerate(chunks):
         for gen in ("0" * 32, "f" * 32):
-            r.set(f"mlxcache:c:{gen}:{i}", c)
+            r.set(f"mlxcache:{{0}}c:{gen}:{i}", c)
     where = {"size": "i:size", "chunks": "i:chunks", "lru": "i:lru"}.get(field)
     if field in ("total", "clock"):
-        r.set(f"mlxcache:i:{field}", index_value)
+        r.set(f"mlxcache:{{0}}i:{field}", index_value)
     elif where == "i:lru":
-        r.delete("mlxcache:i:lru")
-        r.set("mlxcache:i:lru", index_value)  # even the wrong Redis type
+        r.delete("mlxcache:{0}i:lru")
+        r.set("mlxcache:{0}i:lru", index_value)  # even the wrong Redis type
     else:
-        r.hset(f"mlxcache:{where}", "k", index_value)
+        r.hset(f"mlxcache:{{0}}{where}", "k", index_value)
     good, k = b.get_many(["good", "k"])
     assert k is None or isinstance(k, Record)
     if field != "lru":
         assert_same(good, GOOD)
     b.put("p", Record({"x": mx.zeros(3)}, {}))
     b.delete("k"), len(b), b.stats(), list(b.keys()), b.header("good"), b.trim(10**12)
-    r.delete("mlxcache:i:lru")
+    r.delete("mlxcache:{0}i:lru")
 
 
 # ---------------------------------------------------------------- the managers
@@ -258,9 +258,9 @@ def test_managers_through_redis_on_crafted_bytes(redis_url, data):
     pc = PrefixCache(backend, model="m", block_size=4)
     pc.store(list(range(10)), kv(10))  # writes back whatever an earlier example dropped
     MLLMPrefixCacheManager(backend=backend).store(["x"], "p", None, kv(3), [1, 2, 3])
-    keys = sorted(k.decode()[len("mlxcache:v:") :] for k in r.scan_iter("mlxcache:v:*"))
+    keys = sorted(k.decode()[len("mlxcache:{0}v:") :] for k in r.scan_iter("mlxcache:{0}v:*"))
     victim = data.draw(s.sampled_from(keys))
-    r.set("mlxcache:v:" + victim, data.draw(crafted_value))
+    r.set("mlxcache:{0}v:" + victim, data.draw(crafted_value))
     hit = pc.lookup(list(range(10)))
     assert hit is None or 0 <= hit.num_tokens <= 10
     m = MLLMPrefixCacheManager(backend=backend)

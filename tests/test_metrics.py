@@ -68,6 +68,7 @@ def test_backend_and_prefix_metrics_parse_and_never_decrease(tmp_path):
 def test_stats_prometheus_from_the_command(tmp_path):
     b = mlxcache.open_backend(f"file://{tmp_path}")
     b.put("a", blob_record(100))
+    stored = b.stats()["bytes"]  # stats() also flushes this process's counts to the store
     proc = subprocess.run(
         [sys.executable, "-m", "mlxcache", "stats", f"file://{tmp_path}", "--prometheus"],
         capture_output=True, text=True, timeout=60,
@@ -75,4 +76,5 @@ def test_stats_prometheus_from_the_command(tmp_path):
     assert proc.returncode == 0, proc.stderr
     found = samples(proc.stdout)
     assert value(found, "mlxcache_backend_entries", backend="file") == 1
-    assert value(found, "mlxcache_backend_bytes", backend="file") == b.stats()["bytes"]
+    assert value(found, "mlxcache_backend_bytes", backend="file") == stored
+    assert value(found, "mlxcache_fleet_bytes_written_total", backend="file") == 100

@@ -136,6 +136,14 @@ def test_repeat_then_restart_on_file_cache(tiny_lm, servers, tmp_path):
     assert "hot 0 entries" in second.log()  # a new process: it came from the folder
     # streamed, the usage chunk reports the same
     assert second.stream_chat() == (cold, n, n - 1)
+    # /metrics: Prometheus text, parsed by prometheus_client's own parser
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(second.url + "/metrics", timeout=10) as r:
+        families = {f.name: f for f in text_string_to_metric_families(r.read().decode())}
+    hits = families["mlxcache_prefix_hit_tokens"].samples
+    assert sum(s.value for s in hits if s.name.endswith("_total")) >= n - 1
+    assert any(s.value > 0 for s in families["mlxcache_fleet_hits"].samples)
 
 
 def test_two_servers_share_one_redis(tiny_lm, servers, redis_url):

@@ -186,11 +186,11 @@ plain = mlxcache.open_backend(base)  # no secret: reads checksums only, writes u
 if kind == "redis":
     r = redis.Redis.from_url(base)
     def raw_keys():
-        return sorted(k.decode()[len("mlxcache:v:"):] for k in r.scan_iter("mlxcache:v:*"))
+        return sorted(k.decode()[len("mlxcache:{0}v:"):] for k in r.scan_iter("mlxcache:{0}v:*"))
     def raw_get(key):
-        return r.get("mlxcache:v:" + key)
+        return r.get("mlxcache:{0}v:" + key)
     def raw_set(key, blob):
-        r.set("mlxcache:v:" + key, blob)  # a plain SET: no index entry needed to be read
+        r.set("mlxcache:{0}v:" + key, blob)  # a plain SET: no index entry needed to be read
 else:
     root = base[len("file://"):]
     def rows():

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mlxcache import format as fmt
 from mlxcache.backends.counters import Counters, Latency, RateLimitedLog
+from mlxcache.backends.fleet import FleetCounters, flush_at_exit
 from mlxcache.record import Record
 
 log = logging.getLogger("mlxcache")
@@ -118,6 +119,10 @@ class BackendBase:
         self._breaker = threading.Lock()
         self._down_until = 0.0
         self._delay = backoff
+        self._fleet: FleetCounters | None = None
+        if type(self)._fleet_add is not BackendBase._fleet_add:  # the store keeps fleet totals
+            self._fleet = FleetCounters(self._counters.snapshot, self._fleet_add)
+            flush_at_exit(self)
 
     # ------------------------------------------------------------ raw operations
 
@@ -166,6 +171,14 @@ class BackendBase:
 
     def _close(self) -> None:
         """Release connections or files; the default has nothing to release."""
+
+    def _fleet_add(self, deltas: dict[str, int]) -> None:
+        """Add counter deltas to the store's fleet totals (stores shared by processes)."""
+        raise NotImplementedError
+
+    def _fleet_read(self) -> dict[str, int]:
+        """The store's fleet totals, every process's counts summed."""
+        raise NotImplementedError
 
     def _touch_many(self, keys: list[str]) -> None:
         """Mark keys as just used in the LRU order without reading them; default: nothing."""
@@ -236,6 +249,8 @@ class BackendBase:
         self._counters.add("hits", len(found))
         self._counters.add("misses", n - len(found))
         self._counters.add("bytes_read", sum(r.nbytes for r in found))
+        if self._fleet is not None:
+            self._fleet.maybe_flush()
         return out
 
     def put(self, key: str, record: Record) -> None:
@@ -261,6 +276,8 @@ class BackendBase:
         self._counters.add("bytes_written", record.nbytes)  # tensor bytes, as bytes_read
         if evicted:
             self._counters.add("evictions", evicted)
+        if self._fleet is not None:
+            self._fleet.maybe_flush()
 
     def _refuses_all(self) -> bool:
         """True when another budget of the backend is zero (e.g. ``max_entries=0``)."""
@@ -313,10 +330,23 @@ class BackendBase:
         """Metadata and tensor table of ``key`` (no tensor data where the backend can)."""
         return self._guard("header", None, self._header, check_key(key))
 
+    def counters(self) -> dict[str, int]:
+        """This process's counters alone (hits, misses, errors...): no call to the store."""
+        return self._counters.snapshot()
+
+    def flush_counters(self) -> None:
+        """Add this process's unflushed counts to the store's fleet totals (if it keeps any)."""
+        if self._fleet is not None and not self._skipping():
+            self._fleet.flush()
+
     def stats(self) -> dict[str, Any]:
-        """Entries and bytes of the store, this process's counters, and ``available``."""
+        """Entries and bytes of the store, this process's counters, and ``available``.
+
+        A store shared by processes (file, redis) adds ``fleet``: the counters of every
+        process that used it, summed in the store (monotonic across ``clear()``).
+        """
         found = self._guard("stats", None, self._stats)
-        return {
+        out = {
             "backend": self.scheme,
             **self.describe(),
             **(found if found is not None else {"entries": 0, "bytes": 0}),
@@ -324,9 +354,17 @@ class BackendBase:
             "available": found is not None,
             **self._counters.snapshot(),
         }
+        if self._fleet is not None and found is not None:
+            self.flush_counters()
+            try:
+                out["fleet"] = self._fleet_read()
+            except Exception as exc:
+                self.error("stats", exc)
+        return out
 
     def close(self) -> None:
-        """Release connections and files (a later call may open them again)."""
+        """Flush the fleet counters, release connections and files (a later call may reopen)."""
+        self.flush_counters()
         self._guard("close", None, self._close)
 
     def __enter__(self):

@@ -18,6 +18,7 @@ writer (temp files, files renamed but never published) can be told from a live w
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -45,6 +46,7 @@ from mlxcache.backends.disk_files import (
     unlink,
     write_file,
 )
+from mlxcache.backends.fleet import FLEET
 from mlxcache.errors import FormatError, UntrustedRecordError
 from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
@@ -111,8 +113,10 @@ class DiskBackend(BackendBase):
         signer: signing.Signer | None = None,
         secret_env: str | None = None,
         shared_group: bool = False,
+        readonly: bool = False,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
+        self.readonly = bool(readonly)
         self.shared_group = bool(shared_group)
         self._dir_mode, self._file_mode = GROUP_MODES if shared_group else PRIVATE_MODES
         self.signer = signer if signer is not None else signing.resolve(secret_env)
@@ -124,6 +128,9 @@ class DiskBackend(BackendBase):
         self._index = self.root / "index.sqlite"
         self._conns_lock = threading.Lock()
         self._reset_connections()
+        if self.readonly:
+            self._open_readonly()
+            return
         try:
             if not self.root.is_dir():
                 ensure_dir(self.root, self._dir_mode)  # a folder we create is private
@@ -149,6 +156,23 @@ class DiskBackend(BackendBase):
     def where(self) -> str:
         return str(self.root)
 
+    def _open_readonly(self) -> None:
+        """Open an existing cache for reading only: nothing is created, swept or evicted."""
+        if not self._index.is_file():
+            what = "no such folder" if not self.root.exists() else "no index.sqlite in it"
+            raise FileNotFoundError(
+                errno.ENOENT, f"file cache: no cache at {self.root} ({what})", str(self.root)
+            )
+        try:
+            self._settings()
+        except sqlite3.Error as exc:
+            self.close()
+            raise OSError(f"file cache: cannot read the index of {self.root}: {exc}") from exc
+
+    def _writable(self) -> None:
+        if self.readonly:
+            raise PermissionError(f"{self.root} is opened read-only")
+
     # ------------------------------------------------------------ connections
 
     def _reset_connections(self) -> None:
@@ -161,7 +185,9 @@ class DiskBackend(BackendBase):
         if self._pid != os.getpid():
             self._reset_connections()  # the parent's connections are left alone, not closed
         conn = getattr(self._local, "conn", None)
-        if conn is None:
+        if conn is None and self.readonly:
+            conn = self._connect_readonly()
+        elif conn is None:
             conn = sqlite3.connect(
                 self._index, timeout=self.timeout, isolation_level=None, check_same_thread=False
             )
@@ -170,6 +196,23 @@ class DiskBackend(BackendBase):
             with self._conns_lock:
                 self._conns.append(conn)
         return conn
+
+    def _connect_readonly(self) -> sqlite3.Connection:
+        """``mode=ro``; in a folder we cannot write (no -shm to create), ``immutable=1``."""
+        uri = self._index.absolute().as_uri()
+        for flags in ("mode=ro", "mode=ro&immutable=1"):
+            conn = sqlite3.connect(
+                f"{uri}?{flags}", uri=True, timeout=self.timeout, isolation_level=None,
+                check_same_thread=False,
+            )  # fmt: skip
+            try:
+                conn.execute("SELECT count(*) FROM settings").fetchone()
+                return conn
+            except sqlite3.OperationalError:
+                conn.close()
+                if flags.endswith("immutable=1"):
+                    raise
+        raise AssertionError("unreachable")
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -296,12 +339,21 @@ class DiskBackend(BackendBase):
         return files
 
     def _remove_files(self, files: Iterable[str | None]) -> None:
-        """Delete files the index no longer names (after the commit that dropped them)."""
+        """Delete files the index no longer names (after the commit that dropped them), and
+        their shard folder once it is empty (a put recreates it, see ``_put``)."""
+        shards = set()
         for file in files:
             if file:
                 unlink(self._data / file)
+                shards.add(file.partition("/")[0])
+        for shard in shards:
+            try:
+                os.rmdir(self._data / shard)
+            except OSError:
+                pass  # not empty, the usual case
 
     def _trim(self, max_bytes: int) -> int:
+        self._writable()
         if self._settings()["size"] <= max_bytes:
             return 0
         with self._transaction() as db:
@@ -319,6 +371,9 @@ class DiskBackend(BackendBase):
             self.last_error = f"{self.scheme} cache: rejected {key!r}: {exc}"
         else:
             self.error("get", f"unreadable entry {key!r}: {exc}", logged=True)
+        if self.readonly:  # reported, left where it is
+            log.warning("file cache: unreadable entry %r (read-only, kept): %s", key, exc)
+            return
         try:
             with self._transaction() as db:
                 db.execute("DELETE FROM entries WHERE key = ? AND file = ?", (key, file))
@@ -393,7 +448,7 @@ class DiskBackend(BackendBase):
 
     def _touch(self, pairs: list[tuple[str, str]]) -> None:
         """Mark entries as just used (LRU); a failure here costs ordering, not the hit."""
-        if not pairs:
+        if not pairs or self.readonly:
             return
         now = time.time()
         try:
@@ -406,6 +461,8 @@ class DiskBackend(BackendBase):
             self.error("touch", exc)
 
     def _touch_many(self, keys: list[str]) -> None:
+        if self.readonly:
+            return
         now = time.time()
         with self._transaction() as db:
             db.executemany(
@@ -464,6 +521,21 @@ class DiskBackend(BackendBase):
     def _count(self) -> int:
         return self._settings()["count"]
 
+    def _fleet_add(self, deltas: dict[str, int]) -> None:
+        """Fleet counters are ``fleet.<name>`` rows of the settings table, summed in SQL."""
+        self._writable()
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE "
+                "SET value = CASE WHEN typeof(value) = 'integer' THEN value ELSE 0 END "
+                "+ excluded.value",
+                [(f"fleet.{k}", int(v)) for k, v in deltas.items()],
+            )
+
+    def _fleet_read(self) -> dict[str, int]:
+        settings = self._settings()
+        return {k: settings.get(f"fleet.{k}", 0) for k in FLEET}
+
     def _stats(self) -> dict[str, Any]:
         settings = self._settings()
         return {"entries": settings["count"], "bytes": settings["size"]}
@@ -479,6 +551,7 @@ class DiskBackend(BackendBase):
         return (head, views), len(head) + sum(v.nbytes for v in views)
 
     def _put(self, key: str, payload: Any, size: int) -> int:
+        self._writable()
         head, views = payload
         digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
         token = secrets.token_hex(6)
@@ -488,10 +561,16 @@ class DiskBackend(BackendBase):
         final = self._data / name
         try:
             write_file(str(tmp), head, views, self._file_mode)
-            if not final.parent.is_dir():
-                ensure_dir(final.parent, self._dir_mode)
-                fsync_dir(self._data)
-            os.replace(tmp, final)
+            for attempt in (1, 2):  # clear() may remove an empty shard folder meanwhile
+                if not final.parent.is_dir():
+                    ensure_dir(final.parent, self._dir_mode)
+                    fsync_dir(self._data)
+                try:
+                    os.replace(tmp, final)
+                    break
+                except FileNotFoundError:
+                    if attempt == 2 or not tmp.exists():
+                        raise
             fsync_dir(final.parent)
             now = time.time()
             with self._transaction() as db:
@@ -508,6 +587,7 @@ class DiskBackend(BackendBase):
         return len(evicted)
 
     def _delete(self, key: str) -> bool:
+        self._writable()
         with self._transaction() as db:
             row = db.execute(
                 "SELECT CAST(file AS BLOB) FROM entries WHERE key = ?", (key,)
@@ -520,6 +600,7 @@ class DiskBackend(BackendBase):
         return True
 
     def _clear(self) -> None:
+        self._writable()
         with self._transaction() as db:
             rows = db.execute("SELECT key, CAST(file AS BLOB) FROM entries").fetchall()
             db.execute("DELETE FROM entries")
@@ -566,7 +647,9 @@ def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     timeout = opts.float("timeout", 10.0)
     secret_env = opts.str("secret_env", None)
     shared_group = opts.bool("shared_group", False)
+    readonly = opts.bool("readonly", False)
     opts.done()
     return DiskBackend(
-        root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env, shared_group=shared_group
-    )
+        root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env,
+        shared_group=shared_group, readonly=readonly,
+    )  # fmt: skip

@@ -27,6 +27,7 @@ from redis.retry import Retry
 from mlxcache import format as st
 from mlxcache import signing
 from mlxcache.backends.base import BackendBase, log
+from mlxcache.backends.fleet import FLEET
 from mlxcache.backends.redis_chunks import (
     MAX_CHUNKS,
     complete_chunks,
@@ -448,6 +449,27 @@ class RedisBackend(BackendBase):
                         _unlink(client, batch)
                         batch.clear()
                 _unlink(client, batch)
+
+    def _fleet_key(self) -> tuple[redis.Redis, str]:
+        return self.router.client(self.layout.slots[0]), self.layout.heads[0] + "f:counters"
+
+    def _fleet_add(self, deltas: dict[str, int]) -> None:
+        """Fleet counters are one hash (``{prefix}{tag}f:counters``) summed with HINCRBY."""
+        client, name = self._fleet_key()
+        pipe = client.pipeline(transaction=False)
+        for k, v in deltas.items():
+            pipe.hincrby(name, k, int(v))
+        pipe.execute()
+
+    def _fleet_read(self) -> dict[str, int]:
+        client, name = self._fleet_key()
+        raw = client.hgetall(name)
+        out = dict.fromkeys(FLEET, 0)
+        for k, v in raw.items():
+            name_ = k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k)
+            if name_ in out and re.fullmatch(rb"-?\d{1,19}", v if isinstance(v, bytes) else b""):
+                out[name_] = int(v)
+        return out
 
     def _stats(self) -> dict[str, Any]:
         """Entries and bytes from the shared index (hits/misses/...: this process's)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from typing import Any
 
 import redis
@@ -84,6 +85,7 @@ class ClusterRouter:
         self._owners: list[tuple[str, int]] = []  # owner of each range
         self._ends: list[int] = []
         self._stale = True
+        self._failed_at: dict[tuple[str, int], float] = {}  # nodes that did not answer
 
     def _client_at(self, addr: tuple[str, int]) -> redis.Redis:
         with self._lock:
@@ -97,12 +99,16 @@ class ClusterRouter:
         """Read the slot map from the first node that answers (known primaries, then seeds)."""
         tried: list[str] = []
         candidates = list(dict.fromkeys([*self._owners, *self.seeds]))
+        # nodes that failed lately go last: a dead host costs a connect timeout each time
+        candidates.sort(key=lambda a: self._failed_at.get(a, 0.0))
         for addr in candidates:
             try:
                 reply = self._client_at(addr).execute_command("CLUSTER SLOTS")
             except (redis.RedisError, OSError) as exc:
+                self._failed_at[addr] = time.monotonic()
                 tried.append(f"{addr[0]}:{addr[1]} ({exc})")
                 continue
+            self._failed_at.pop(addr, None)
             ranges = []
             for entry in reply:
                 start, end, primary = int(entry[0]), int(entry[1]), entry[2]

@@ -137,6 +137,36 @@ def _response_generator_class():
     return CachedResponseGenerator
 
 
+def _metrics_handler(base: type, prompt_cache: Any) -> type:
+    """mlx-lm's handler plus ``GET /metrics``: Prometheus text of the shared cache.
+
+    Without prometheus_client (the metrics extra) ``/metrics`` answers 501 saying so.
+    """
+
+    class MetricsHandler(base):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.split("?")[0] != "/metrics":
+                return super().do_GET()
+            try:
+                from mlxcache.metrics import CONTENT_TYPE, render  # the metrics extra
+            except ImportError as exc:
+                body, status, kind = f"{exc}\n".encode(), 501, "text/plain"
+            else:
+                objects = [*prompt_cache._prefix.values()] or [prompt_cache.backend]
+                body, status, kind = (
+                    render(*[o for o in objects if o is not None]),
+                    200,
+                    CONTENT_TYPE,
+                )
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return MetricsHandler
+
+
 def make_run(options: argparse.Namespace):
     """A replacement for ``mlx_lm.server.run`` that builds the shared prompt cache."""
     import mlx.core as mx
@@ -167,11 +197,10 @@ def make_run(options: argparse.Namespace):
         )
         log.info("mlxcache serve: prompt cache %r", prompt_cache)
         generator = _response_generator_class()(model_provider, prompt_cache)
-        kwargs = {}
+        kwargs = {"handler_class": _metrics_handler(handler_class or server.APIHandler,
+                                                    prompt_cache)}  # fmt: skip
         if server_class is not None:
             kwargs["server_class"] = server_class
-        if handler_class is not None:
-            kwargs["handler_class"] = handler_class
         try:
             if mx.distributed.init().rank() == 0:
                 server._run_http_server(host, port, generator, **kwargs)
