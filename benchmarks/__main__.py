@@ -141,48 +141,62 @@ def main(argv: list[str] | None = None) -> int:
             ctx.redis_url = server.url
         elif not args.no_redis:
             ctx.note("redis-server is not installed: every Redis row is left out.")
-        for section in args.only:
-            t0 = time.perf_counter()
+
+        def _section(section: str) -> list[Row]:
+            """The rows of one section."""
+            out: list[Row] = []
+
             if section == "throughput":
                 from benchmarks import throughput
 
-                rows += throughput.run(sizes, ctx)
+                out += throughput.run(sizes, ctx)
             elif section == "lookup":
                 from benchmarks import prefix_lookup
 
-                rows += prefix_lookup.run(lookup_blocks, lookup_disk, ctx)
+                out += prefix_lookup.run(lookup_blocks, lookup_disk, ctx)
             elif section == "ttft":
                 from benchmarks import ttft
 
-                rows += ttft.run(prompt_lengths, ctx)
+                out += ttft.run(prompt_lengths, ctx)
             elif section == "rss":
                 from benchmarks import rss
 
-                rows += rss.run(rss_sizes, ctx)
+                out += rss.run(rss_sizes, ctx)
             elif section == "server":
                 from benchmarks import lm_server
 
-                rows += lm_server.run(ctx)
+                out += lm_server.run(ctx)
             elif section == "peers":
                 from benchmarks import peers_lm, peers_vlm
 
-                rows += peers_vlm.run(peer_lengths, ctx)
-                rows += peers_lm.run(256 if smoke else 2048, ctx)
+                out += peers_vlm.run(peer_lengths, ctx)
+                out += peers_lm.run(256 if smoke else 2048, ctx)
                 ctx.note(VLLM_MLX_NOTE)
             elif section == "growth":
                 from benchmarks import growth
 
-                rows += growth.run(
+                out += growth.run(
                     growth_blocks, restore_lengths, growth_budget, restore_max_gb, ctx
                 )
             elif section == "signed":
                 from benchmarks import signed
 
-                rows += signed.run(sizes[-1:], ctx)
+                out += signed.run(sizes[-1:], ctx)
             elif section == "scale":
                 from benchmarks import scale
 
-                rows += scale.run(scale_sizes, ctx)
+                out += scale.run(scale_sizes, ctx)
+            return out
+
+        for section in args.only:
+            t0 = time.perf_counter()
+            try:
+                rows += _section(section)
+            except Exception as e:  # one broken section must not lose the others' rows
+                import traceback
+
+                traceback.print_exc()
+                ctx.note(f"section {section} failed and is left out: {type(e).__name__}: {e}")
             print(f"[{section}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     finally:
         if server is not None:
