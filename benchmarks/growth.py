@@ -245,7 +245,10 @@ def breakeven_rows(rows: list[Row]) -> list[Row]:
             key = (r.extra["model"], r.extra["backend"])
             series.setdefault(key, []).append((r.tokens or 0, r.stats.median))
     for (model, label), pts in series.items():
-        a, b = fit_line(pts)
+        # the break-even lies at short prompts: fit the three shortest points, fixed cost >= 0
+        a, b = fit_line(sorted(pts)[:3])
+        if a < 0:
+            a, b = fit_line([min(pts)])
         for speed_name, (speed, _) in PREFILL_SPEEDS.items():
             length = breakeven(a, b, speed)
             value = float("inf") if length is None else length
