@@ -17,7 +17,10 @@ from collections.abc import Sequence
 from mlxcache import __version__
 from mlxcache.cli_common import CLIError, check_reachable, errors, open_store
 from mlxcache.cli_store import add_store_commands
-from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS
+from mlxcache.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS, run_demo
+from mlxcache.demo_lm import run_lm_demo
+from mlxcache.integrations.mlx_lm_files import FileError, export_file, import_file
+from mlxcache.integrations.mlx_lm_server import main as serve
 
 DESCRIPTION = "Persistent, shareable prefix caches for MLX inference."
 EPILOG = """cache URIs:
@@ -41,19 +44,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise CLIError("--prompt-tokens must be >= 64 and --max-tokens >= 1")
     if args.model_kind == "lm":
         _need("mlx_lm", "lm", "mlxcache demo --model-kind lm")
-        from mlxcache.demo_lm import run_lm_demo  # imports mlx-lm (an extra)
-
         return run_lm_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
     _need("mlx_vlm", "vlm", "mlxcache demo")
-    from mlxcache.demo import run_demo
-
     return run_demo(args.cache, prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens)
 
 
 def cmd_import(args: argparse.Namespace) -> None:
     _need("mlx_lm", "lm", "mlxcache import")
-    from mlxcache.integrations.mlx_lm_files import FileError, import_file  # imports mlx-lm
-
     with open_store(args.uri) as backend:
         before = errors(backend)
         try:
@@ -67,8 +64,6 @@ def cmd_import(args: argparse.Namespace) -> None:
 
 def cmd_export(args: argparse.Namespace) -> None:
     _need("mlx_lm", "lm", "mlxcache export")
-    from mlxcache.integrations.mlx_lm_files import FileError, export_file  # imports mlx-lm
-
     with open_store(args.uri, readonly=True) as backend:
         before = errors(backend)
         try:
@@ -80,8 +75,6 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mlxcache.integrations.mlx_lm_server import main as serve  # says what to install
-
     return serve(args.server_args)
 
 

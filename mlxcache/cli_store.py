@@ -32,7 +32,7 @@ def cmd_stats(args: argparse.Namespace) -> None:
         check_reachable(backend, before, args.uri)
         if args.prometheus:
             try:  # prometheus_client is optional (the metrics extra)
-                from mlxcache.metrics import render
+                from mlxcache.metrics import render  # prometheus_client
             except ImportError as exc:
                 raise CLIError(str(exc)) from None
             sys.stdout.write(render(backend).decode())
@@ -190,6 +190,8 @@ def cmd_copy(args: argparse.Namespace) -> None:
         src_before, dst_before = errors(src), errors(dst)
         keys = sorted(src.keys(args.prefix))
         check_reachable(src, src_before, args.src)
+        len(dst)  # is the destination there at all? (even with nothing to copy)
+        check_reachable(dst, dst_before, args.dst)
         with Progress("copy", len(keys), unit="entries") as bar:
             for key in keys:
                 record = src.get(key)

@@ -23,6 +23,7 @@ import numpy as np
 
 from mlxcache.integrations.mlx_vlm import generate_tokens
 from mlxcache.model_id import model_identity
+from mlxcache.options import redact_uri
 from mlxcache.prefix import PrefixCache
 from mlxcache.progress import Progress
 from mlxcache.tiny_models import build_model
@@ -128,7 +129,7 @@ def run_demo(
         try:
             cache = _open(uri, salt, block_size, model)
         except (ValueError, TypeError, OSError) as e:
-            print(f"mlxcache demo: cannot open the cache {uri}: {e}", file=sys.stderr)
+            print(f"mlxcache demo: cannot open the cache {redact_uri(uri)}: {e}", file=sys.stderr)
             return 2
         bar.advance()
         bar.phase(f"cold request: prefill of {prompt_tokens} tokens with an image, then store")
@@ -172,7 +173,7 @@ def run_demo(
          "matches uncached" if follow_ok else "DIFFERS from uncached"),
     ]  # fmt: skip
     print(f"mlxcache demo: tiny Qwen2-VL (random weights), {prompt_tokens}-token prompt with one "
-          f"image, {max_tokens} greedy tokens, cache {uri}", file=out)  # fmt: skip
+          f"image, {max_tokens} greedy tokens, cache {redact_uri(uri)}", file=out)  # fmt: skip
     print(_table(rows), file=out)
     ratio = cold["ttft"] / same["ttft"] if same["ttft"] > 0 else float("inf")
     print(f"warm time to first token from a new process: {ratio:.1f}x lower than cold", file=out)

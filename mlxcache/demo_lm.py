@@ -24,7 +24,10 @@ import urllib.request
 import uuid
 from typing import Any, TextIO
 
+from mlxcache.integrations.mlx_lm_server import key_name, lm_identity
+from mlxcache.prefix import PrefixCache
 from mlxcache.progress import Progress
+from mlxcache.tiny_models import build_tiny_lm
 from mlxcache.uri import default_uri
 
 LM_SIZE = {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 4}
@@ -104,9 +107,6 @@ def _clear(model_dir: str, uri: str, salt: str) -> None:
     """Delete this run's entries (the namespace ``mlxcache serve`` used for this model)."""
     import mlx_lm
 
-    from mlxcache.integrations.mlx_lm_server import key_name, lm_identity
-    from mlxcache.prefix import PrefixCache
-
     model, _ = mlx_lm.load(model_dir)
     name = lm_identity(model, key_name((model_dir, None, None), None))
     with PrefixCache(uri, model=name, salt=salt) as pc:
@@ -133,7 +133,6 @@ def run_lm_demo(
         print("mlxcache demo --model-kind lm needs mlx-lm: pip install 'mlxcache[lm]'",
               file=sys.stderr)  # fmt: skip
         return 1
-    from mlxcache.tiny_models import build_tiny_lm
 
     salt = f"mlxcache-demo-{uuid.uuid4().hex[:16]}"
     work = tempfile.mkdtemp(prefix="mlxcache-demo-lm-")

@@ -446,9 +446,9 @@ def read_file(
     return _record(arrays, _with_meta(header).meta)
 
 
-def header_of(record: Record) -> Header:
+def header_of(record: Record, *, key: str | None = None, signer: Signer | None = None) -> Header:
     """The header :func:`encode` writes for ``record`` (for stores that hold records, not bytes)."""
-    head, views = encode(record)
+    head, views = encode(record, key=key, signer=signer)
     return parse_header(head, total_size=len(head) + sum(v.nbytes for v in views))
 
 
@@ -461,6 +461,9 @@ def describe(header: Header) -> dict[str, Any]:
     return {
         "format_version": header.version,
         "checksum": header.checksum,
+        "signed_by": header.mac.split(":")[1]
+        if header.mac and header.mac.count(":") == 2
+        else None,
         "bytes": header.total_size,
         "meta": jsonable(header.meta),
         "tensors": [

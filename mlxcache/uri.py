@@ -19,8 +19,8 @@ import re
 from collections.abc import Callable
 from urllib.parse import SplitResult, parse_qsl, urlsplit
 
-from mlxcache.backends.base import CacheBackend
 from mlxcache.options import Options, redact_uri
+from mlxcache.protocol import CacheBackend
 
 log = logging.getLogger("mlxcache")
 

@@ -64,6 +64,22 @@ def _tiered(write: str) -> Callable[[Any, Path], Store]:
     return factory
 
 
+SIGNED_VAR, SIGNED_SECRET = "MLXCACHE_CONTRACT_SECRET", "contract-suite-secret-0123456789"
+
+
+def _signed(base: Callable[[Any, Path], Store]) -> Callable[[Any, Path], Store]:
+    """The same backend with every record signed and verified (docs/reliability.md)."""
+
+    def factory(request: Any, tmp_path: Path) -> Store:
+        request.getfixturevalue("monkeypatch").setenv(SIGNED_VAR, SIGNED_SECRET)
+        store = base(request, tmp_path)
+        sep = "&" if "?" in store.uri else "?"
+        env = {**(store.env or {}), SIGNED_VAR: SIGNED_SECRET}
+        return Store(f"{store.uri}{sep}secret_env={SIGNED_VAR}", shared=store.shared, env=env)
+
+    return factory
+
+
 BACKENDS: dict[str, Callable[[Any, Path], Store]] = {
     "memory": _memory,
     "file": _file,
@@ -73,4 +89,7 @@ BACKENDS: dict[str, Callable[[Any, Path], Store]] = {
     "redis-sentinel": _redis_sentinel,
     "tiered": _tiered("through"),
     "tiered-behind": _tiered("behind"),
+    "file-signed": _signed(_file),
+    "redis-signed": _signed(_redis),
+    "redis-cluster-signed": _signed(_redis_cluster),
 }

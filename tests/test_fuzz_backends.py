@@ -129,8 +129,11 @@ manifest = s.fixed_dictionaries(
     s.binary(max_size=12) | s.sampled_from([b"-5", b"1e308", b"99999999999999999999", b"0"]),
 )
 def test_redis_values_chunks_and_index_values(redis_url, value, chunks, field, index_value):
-    r = redis.Redis.from_url(redis_url)
-    b = mlxcache.open_backend(redis_url, chunk_size=64)
+    with redis.Redis.from_url(redis_url) as r, mlxcache.open_backend(redis_url, chunk_size=64) as b:
+        _crafted_redis_values(r, b, value, chunks, field, index_value)
+
+
+def _crafted_redis_values(r, b, value, chunks, field, index_value) -> None:
     if not r.exists("mlxcache:{0}v:good"):
         b.put("good", GOOD)
     r.set("mlxcache:{0}v:k", value)
@@ -253,8 +256,11 @@ def test_vllm_mlx_managers_on_crafted_records(manager_store, data):
 
 @given(s.data())
 def test_managers_through_redis_on_crafted_bytes(redis_url, data):
-    r = redis.Redis.from_url(redis_url)
-    backend = mlxcache.open_backend(redis_url)
+    with redis.Redis.from_url(redis_url) as r, mlxcache.open_backend(redis_url) as backend:
+        _managers_on_crafted_bytes(r, backend, data)
+
+
+def _managers_on_crafted_bytes(r, backend, data) -> None:
     pc = PrefixCache(backend, model="m", block_size=4)
     pc.store(list(range(10)), kv(10))  # writes back whatever an earlier example dropped
     MLLMPrefixCacheManager(backend=backend).store(["x"], "p", None, kv(3), [1, 2, 3])
@@ -266,3 +272,19 @@ def test_managers_through_redis_on_crafted_bytes(redis_url, data):
     m = MLLMPrefixCacheManager(backend=backend)
     entry, n = m.fetch(["x"], "p", [1, 2, 3])
     assert (entry is None) == (n == 0) and 0 <= n <= 3
+
+
+def test_an_undecodable_index_row_no_longer_spoils_its_batch(tmp_path):
+    """Regression: a row whose text is not UTF-8 made SQLite's fetch raise, so every get_many
+    batch containing that key missed, forever; now that row alone is unindexed."""
+    b = DiskBackend(tmp_path)
+    b.put("good", GOOD)
+    b.put("k", GOOD)
+    with sqlite3.connect(tmp_path / "index.sqlite") as db:
+        db.execute("UPDATE entries SET file = CAST(x'fffe41' AS TEXT) WHERE key = 'k'")
+        db.execute("INSERT INTO entries VALUES (CAST(x'ff' AS TEXT), 'x', 1, 0, 0)")
+    good, k = b.get_many(["good", "k"])
+    assert_same(good, GOOD)
+    assert k is None
+    assert "k" not in b and sorted(b.keys()) == ["good"] and b.stats()["errors"] == 1
+    assert b.get_many(["good", "k"])[0] is not None  # and it stays fixed

@@ -33,13 +33,14 @@ def tiny_lm(tmp_path_factory):
 class Server:
     """``mlxcache serve`` in a subprocess; its log goes to a file."""
 
-    def __init__(self, model: str, cache: str, log_path, *extra: str) -> None:
+    def __init__(self, model: str, cache: str | None, log_path, *extra: str, **env: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
         args = [sys.executable, "-m", "mlxcache", "serve", "--model", model]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), "--cache", cache, *extra]
+        args += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
+        args += ["--cache", cache] if cache is not None else []  # else $MLXCACHE_URL
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120
@@ -108,8 +109,8 @@ class Server:
 def servers(tmp_path):
     started: list[Server] = []
 
-    def start(model: str, cache: str, *extra: str) -> Server:
-        s = Server(model, cache, tmp_path / f"server{len(started)}.log", *extra)
+    def start(model: str, cache: str | None, *extra: str, **env: str) -> Server:
+        s = Server(model, cache, tmp_path / f"server{len(started)}.log", *extra, **env)
         started.append(s)
         return s
 
@@ -173,7 +174,9 @@ def test_two_servers_share_one_redis(tiny_lm, servers, redis_url):
 
 
 def test_dead_redis_still_answers_uncached(tiny_lm, servers, tmp_path):
-    reference = servers(tiny_lm, "memory://").chat()[0]
+    plain = servers(tiny_lm, None, MLXCACHE_URL="memory://")  # --cache defaults to the env
+    reference = plain.chat()[0]
+    assert "backend=MemoryBackend" in plain.log()
     dead = RedisServer()
     url = dead.url
     dead.close()  # nothing listens there now
@@ -257,3 +260,28 @@ def test_help_lists_ours_then_mlx_lms_options():
     assert run.returncode == 0, run.stderr
     ours, theirs = run.stdout.index("--cache CACHE"), run.stdout.index("--prompt-cache-bytes")
     assert ours < theirs and "--model MODEL" in run.stdout
+
+
+def test_concurrent_requests_are_each_stored_before_they_end(tiny_lm, servers, tmp_path):
+    """mlx-lm batches concurrent requests; every answered one is in the store at its end."""
+    import threading
+
+    cache = f"file://{tmp_path}/cache"
+    first = servers(tiny_lm, cache)
+    asks = [[{"role": "user", "content": f"Tale {i} of the hills and the sea."}] for i in range(4)]
+    answers: dict[int, tuple[str, int, int]] = {}
+
+    def ask(i: int) -> None:
+        answers[i] = first.chat(asks[i], max_tokens=6)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert sorted(answers) == [0, 1, 2, 3]
+    first.kill()  # right after the last answer
+    second = servers(tiny_lm, cache)
+    for i in range(4):  # (texts are not compared: batched and single runs may round apart)
+        _, n, cached = second.chat(asks[i], max_tokens=6)
+        assert n == answers[i][1] and cached == n - 1

@@ -144,6 +144,7 @@ def test_default_secret_variable_signs_every_persistent_backend(tmp_path, redis_
     for uri in (redis_url, f"file://{tmp_path}"):
         b = mlxcache.open_backend(uri)
         assert b.signer is not None and b.signer.key_id == Signer(SECRET).key_id
+        assert b.stats()["signed_by"] == b.signer.key_id and SECRET not in str(b.stats())
         b.put("k", sample_record())
         assert_same(sample_record(), b.get("k"))
         b.close()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import redis
 from helpers import ROOT, assert_same, sample_record
 from redis_server import free_port
 from test_signing import kv
@@ -35,8 +36,11 @@ def _no_secret(*texts: str) -> None:
 def test_tls_client_certificate_and_acl_user(tls, monkeypatch):
     monkeypatch.setenv("MLXCACHE_SECRET", "tls-and-signed-secret-0123")
     with tls.client() as c:
-        c.flushall()
         assert c.acl_whoami() == USER
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            c.set("outside-the-prefix", 1)  # the ACL user is confined to mlxcache:*
+        for k in c.scan_iter("mlxcache:*"):
+            c.delete(k)
     b = mlxcache.open_backend(tls.uri())
     assert type(b.pool.connection_class).__name__ != "Connection"
     b.put("k", sample_record())
@@ -134,3 +138,14 @@ def test_invalid_uri_errors_never_repeat_the_password(uri):
     with pytest.raises(ValueError) as err:
         mlxcache.open_backend(uri)
     _no_secret(str(err.value))
+
+
+def test_managers_never_show_the_password(tmp_path):
+    from mlxcache.mllm_cache import MLLMPrefixCacheManager
+
+    uri = f"redis://{USER}:{DOWN_PW}@127.0.0.1:{free_port()}/0?timeout=0.2"
+    m = MLLMPrefixCacheManager(backend=uri)
+    with pytest.raises(TypeError) as err:  # a Python object cannot go to a persistent store
+        m.store(["i"], "p", object(), [], [1, 2])
+    pc = PrefixCache(uri, model="m")
+    _no_secret(str(err.value), repr(m), repr(pc), str(pc.stats()))

@@ -1,4 +1,5 @@
-"""A redis-server that speaks only TLS (client certificates required) and has an ACL user.
+"""A redis-server that speaks only TLS (client certificates required) and an ACL user confined
+to the ``mlxcache:*`` keys, without the dangerous commands (FLUSHALL, CONFIG, ...).
 
 Certificates are made here with the ``cryptography`` package: a CA, a server certificate for
 127.0.0.1 and a client certificate, plus a second CA that the server does not trust.
@@ -93,7 +94,7 @@ class TLSRedis:
                 f'dir {self.dir}\nsave ""\nappendonly no\n'
                 f"logfile {self.path('redis.log')}\n"
                 "user default off\n"
-                f"user {USER} on >{PASSWORD} ~* &* +@all\n"
+                f"user {USER} on >{PASSWORD} ~mlxcache:* resetchannels +@all -@dangerous\n"
             )
         self.proc = subprocess.Popen([REDIS_SERVER, conf], stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 10

@@ -541,7 +541,8 @@ class DiskBackend(BackendBase):
         return {"entries": settings["count"], "bytes": settings["size"]}
 
     def describe(self) -> dict[str, Any]:
-        return {"path": str(self.root)}
+        signed_by = self.signer.key_id if self.signer else None  # a public id, not the secret
+        return {"path": str(self.root), "signed_by": signed_by}
 
     # ------------------------------------------------------------ writes
 

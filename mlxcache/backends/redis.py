@@ -497,6 +497,7 @@ class RedisBackend(BackendBase):
             "groups": self.groups,
             "ttl": self.ttl,
             "chunk_size": self.chunk_size,
+            "signed_by": self.signer.key_id if self.signer else None,  # a public key id
         }
 
     def _close(self) -> None:

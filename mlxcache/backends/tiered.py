@@ -33,6 +33,7 @@ from mlxcache.backends.writer import (
 )
 from mlxcache.options import Options
 from mlxcache.record import Record
+from mlxcache.uri import open_backend
 
 WRITE_POLICIES = ("through", "behind")
 MAX_TOUCHED = 10_000  # L1 hits remembered for L2's LRU between two writes
@@ -66,8 +67,6 @@ class TieredBackend(BackendBase):
         if max_bytes is not None and not isinstance(l2, str):
             raise ValueError("max_bytes is the budget of l2: give it to the l2 backend itself")
         super().__init__(max_bytes=max_bytes)
-        from mlxcache.uri import open_backend  # uri imports this module's from_uri lazily
-
         self.l1 = open_backend(l1) if isinstance(l1, str) else l1
         if isinstance(l2, str):
             self.l2 = (

@@ -18,7 +18,6 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from queue import Queue
 from typing import Any
 
 import mlx.core as mx
@@ -27,6 +26,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prompt_cache
 
 from mlxcache.backends.base import CacheBackend
+from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.prefix import PrefixCache
 from mlxcache.uri import open_backend
 
@@ -34,6 +34,7 @@ log = logging.getLogger("mlxcache")
 
 # cache classes whose trim() only moves counters, so a shallow copy can be trimmed safely
 _COUNTER_TRIM = {"KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}
+_MAX_WAIT = 60.0  # seconds an insert waits for room in the store queue before dropping it
 _RECENT_PROMPTS = 64  # prompts remembered (as fingerprints) to store their length minus one
 
 
@@ -79,9 +80,10 @@ class SharedPromptCache(LRUPromptCache):
     mlx-lm's class). ``backend`` is a URI or a ``CacheBackend`` (None: ``$MLXCACHE_URL``, else
     the embedded default). ``identity(model_key)`` names a model for the shared keys (two
     processes share KV only when it matches; default: the model key's paths). Set
-    ``persist=False`` for a plain hot LRU. With ``background=True`` stores run on one writer
-    thread (at most ``max_pending`` waiting, so the caller never runs far ahead); callbacks of
-    ``after_next_insert`` run when the store is done, and ``flush()`` waits for all of them.
+    ``persist=False`` for a plain hot LRU. With ``background=True`` stores run on a
+    ``BackgroundWriter`` thread (at most ``max_pending`` waiting: the caller waits for room
+    rather than drop an answered request's store); callbacks of ``after_next_insert`` run when
+    the store is done, and ``flush()`` waits for all of them.
     """
 
     def __init__(
@@ -114,8 +116,14 @@ class SharedPromptCache(LRUPromptCache):
             ("fetches", "hot_hits", "backend_hits", "misses", "tokens_hot", "tokens_backend",
              "stores", "tokens_stored", "store_errors", "lookup_errors"), 0)  # fmt: skip
         self._done: list[Callable[[], None]] = []
-        self._jobs: Queue | None = Queue(maxsize=max(1, max_pending)) if background else None
-        self._writer: threading.Thread | None = None
+        self._writer: BackgroundWriter | None = None
+        if background:
+            self._writer = BackgroundWriter(
+                queue=max(1, max_pending),
+                full="wait",
+                max_wait=_MAX_WAIT,
+                name="mlxcache-prompt-store",
+            )
 
     # ---------------------------------------------------------------- the shared tier
 
@@ -144,7 +152,7 @@ class SharedPromptCache(LRUPromptCache):
         ``len(tokens) - 1`` tokens (the last one is always run).
         """
         self._count(fetches=1)
-        if tokens:
+        if tokens and self.backend is not None:
             self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
         hot = len(tokens) - len(rest) if cache is not None else 0
@@ -190,9 +198,12 @@ class SharedPromptCache(LRUPromptCache):
         super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         with self._lock:
             done, self._done = self._done, []
+        if self.backend is None:  # a plain hot LRU
+            self._run((model, [], [], None, done))
+            return
         tokens = list(tokens)
         job = (model, tokens, list(prompt_cache), self._prompt_of(model, tokens), done)
-        if self._jobs is None:
+        if self._writer is None:
             self._run(job)
             return
         try:  # what the writer thread reads must be evaluated on this thread (MLX streams)
@@ -201,23 +212,10 @@ class SharedPromptCache(LRUPromptCache):
                      if isinstance(a, mx.array)])  # fmt: skip
         except Exception as e:
             log.warning("mlx-lm prompt cache: cannot store this cache: %s", e)
-        if self._writer is None:
-            self._writer = threading.Thread(
-                target=self._write_loop, name="mlxcache-prompt-store", daemon=True
-            )
-            self._writer.start()
-        self._jobs.put(job)
-
-    def _write_loop(self) -> None:
-        assert self._jobs is not None
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                self._run(job)
-            finally:
-                self._jobs.task_done()
+        nbytes = sum(getattr(c, "nbytes", 0) for c in prompt_cache)
+        if not self._writer.submit(lambda: self._run(job), nbytes):
+            self._count(store_errors=1)  # dropped (the queue stayed full, or closed)
+            self._run((model, [], [], None, done))  # its callbacks still run
 
     def _run(self, job: tuple) -> None:
         model, tokens, layers, prompt, done = job
@@ -230,10 +228,9 @@ class SharedPromptCache(LRUPromptCache):
                 except Exception as e:
                     log.warning("mlx-lm prompt cache: a completion callback failed: %s", e)
 
-    def flush(self) -> None:
-        """Wait until every insert so far is stored (immediate without ``background``)."""
-        if self._jobs is not None:
-            self._jobs.join()
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every insert so far is stored (at once without ``background``)."""
+        return True if self._writer is None else self._writer.flush(timeout)
 
     def _store(self, model: Any, tokens: list[int], layers: list[Any], prompt: int | None) -> None:
         try:
@@ -288,10 +285,8 @@ class SharedPromptCache(LRUPromptCache):
 
     def close(self) -> None:
         """Finish pending stores, stop the writer thread, close the backend if it is ours."""
-        if self._writer is not None and self._jobs is not None:
-            self._jobs.put(None)
-            self._writer.join()
-            self._writer = None
+        if self._writer is not None:
+            self._writer.close()
         if self._owns_backend and self.backend is not None:
             self.backend.close()
 

@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from queue import Queue
 from typing import Any
 
+from mlxcache.model_id import model_identity
+from mlxcache.uri import open_backend
+
 log = logging.getLogger("mlxcache")
 
 INSTALL_HINT = "mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
@@ -52,7 +55,6 @@ def _options() -> argparse.ArgumentParser:
 
 def lm_identity(model: Any, name: str) -> str:
     """The ``PrefixCache`` model identity of a loaded mlx-lm model called ``name``."""
-    from mlxcache.model_id import model_identity
 
     return model_identity(model, name=name)
 
@@ -172,7 +174,7 @@ def make_run(options: argparse.Namespace):
     import mlx.core as mx
     from mlx_lm import server
 
-    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache  # imports mlx-lm
 
     def run(host, port, model_provider, server_class=None, handler_class=None):
         cli = model_provider.cli_args
@@ -229,8 +231,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("mlxcache: error: --cache-block-size must be positive", file=sys.stderr)
         return 1
     else:
-        from mlxcache.uri import open_backend
-
         try:
             options.backend = open_backend(options.cache)
         except (ValueError, TypeError, OSError) as exc:

@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.hashing import images_digest
 from mlxcache.integrations import resume
 from mlxcache.integrations._vlm_models import (
     MROPE_TYPES,
@@ -83,7 +84,6 @@ def image_keys(images: Sequence[Any], pixel_values: Any, model_kwargs: dict[str,
     arrays = [(k, v) for k, v in sorted(model_kwargs.items()) if isinstance(v, mx.array)]
     if pixel_values is None and not arrays:
         return []
-    from mlxcache.hashing import images_digest
 
     parts: list[Any] = [b"pixel_values", b"" if pixel_values is None else pixel_values]
     for name, value in arrays:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from mlxcache.backends.base import CacheBackend, is_persistent
 from mlxcache.errors import RecordTooLargeError
 from mlxcache.integrations.vllm_mlx.payloads import Missing, Packer, true_nbytes
+from mlxcache.options import redact_uri
 from mlxcache.record import Record
 from mlxcache.uri import open_backend
 
@@ -93,7 +94,9 @@ class EntryStore:
     def __init__(self, backend: CacheBackend | str | None, what: str, log: logging.Logger):
         self.backend, self._owned = resolve_backend(backend)
         self.persistent = is_persistent(self.backend)
-        self.where = repr(backend) if isinstance(backend, str) else type(backend).__name__
+        self.where = (
+            repr(redact_uri(backend)) if isinstance(backend, str) else type(backend).__name__
+        )
         self.what, self.log = what, log
         self.live: dict[str, dict[str, Any]] = {}  # key -> payloads kept as Python objects
         self._seq = 0
