@@ -1,7 +1,9 @@
-"""``python -m benchmarks``: throughput, prefix lookup, TTFT and peak memory, in one run.
+"""``python -m benchmarks``: throughput, prefix lookup, TTFT, peak memory, the mlx-lm server,
+the peers side by side and the growth curves, in one run.
 
-Prints a markdown table and writes the same rows as JSON (``--out``). ``--smoke`` runs tiny
-sizes in about ten seconds (used by tests/test_benchmarks_smoke.py; no timing is asserted).
+Prints markdown tables, writes the same rows as JSON (``--out``) and, for a full run of every
+section, rewrites the generated part of docs/performance.md (``--doc``). ``--smoke`` runs tiny
+sizes in about twenty seconds (tests/test_benchmarks_smoke.py; no timing is asserted).
 """
 
 from __future__ import annotations
@@ -17,8 +19,15 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed", "scale")
+SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed", "scale", "peers", "growth")
+DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
+VLLM_MLX_NOTE = (
+    "vllm-mlx is not measured: vllm-mlx 0.6.0 (the version on the package index here) requires "
+    "mlx-lm<0.32, while this benchmark and mlxcache's tests run mlx-lm 0.32, and it pulls "
+    "torch/torchvision, gradio and opencv; its SSD prefix cache (vllm_mlx/ssd_cache.py) runs "
+    "inside its own engine, so measuring it needs a second environment, not done here."
+)
 
 
 def _ints(text: str) -> list[int]:
@@ -62,6 +71,39 @@ def build_parser() -> argparse.ArgumentParser:
         help="blocks stored for the file:// prefix lookup (default 2000: each put fsyncs)",
     )
     p.add_argument("--prompt-lengths", type=_ints, default=None, help="TTFT prompt lengths")
+    p.add_argument(
+        "--peer-lengths", type=_ints, default=None, help="APC vs PrefixCache prompt lengths"
+    )
+    p.add_argument(
+        "--growth-blocks",
+        type=_ints,
+        default=None,
+        help="stored-block counts of the lookup growth curve (default 1000,10000,100000,1000000)",
+    )
+    p.add_argument(
+        "--growth-budget",
+        type=float,
+        default=None,
+        help="seconds each backend may spend filling the growth curve's store (default 150)",
+    )
+    p.add_argument(
+        "--restore-lengths",
+        type=_ints,
+        default=None,
+        help="prompt lengths of the restore curve (default 1024,2048,4096,8192,16384,32768)",
+    )
+    p.add_argument(
+        "--restore-max-gb",
+        type=float,
+        default=None,
+        help="skip restore points whose KV is larger than this (default 2)",
+    )
+    p.add_argument(
+        "--doc",
+        default=None,
+        help=f"markdown file whose generated section is rewritten (default {DEFAULT_DOC} for a "
+        "full run of every section, none otherwise; 'none' to skip)",
+    )
     p.add_argument("--no-redis", action="store_true", help="skip everything that needs Redis")
     p.add_argument("--tmpdir", default=None, help="scratch folder (default: system temp)")
     return p
@@ -76,6 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     lookup_disk = args.lookup_blocks_disk or (100 if smoke else 2000)
     prompt_lengths = args.prompt_lengths or ([32, 64] if smoke else [128, 512, 2048])
     rss_sizes = sizes[:1] if smoke else sizes
+    # prompt lengths that are not multiples of APC's 16-token blocks, plus one that is (256)
+    peer_lengths = args.peer_lengths or ([40] if smoke else [250, 256, 1000])
+    growth_blocks = args.growth_blocks or (
+        [100, 300] if smoke else [1000, 10_000, 100_000, 1_000_000]
+    )
+    growth_budget = args.growth_budget or (20.0 if smoke else 150.0)
+    restore_lengths = args.restore_lengths or (
+        [64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, 32768]
+    )
+    restore_max_gb = args.restore_max_gb or (0.1 if smoke else 2.0)
     scale_sizes = sizes[:1] if smoke else [n for n in (512, 4096) if n in sizes] or sizes[:2]
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))
@@ -89,36 +141,62 @@ def main(argv: list[str] | None = None) -> int:
             ctx.redis_url = server.url
         elif not args.no_redis:
             ctx.note("redis-server is not installed: every Redis row is left out.")
-        for section in args.only:
-            t0 = time.perf_counter()
+
+        def _section(section: str) -> list[Row]:
+            """The rows of one section."""
+            out: list[Row] = []
+
             if section == "throughput":
                 from benchmarks import throughput
 
-                rows += throughput.run(sizes, ctx)
+                out += throughput.run(sizes, ctx)
             elif section == "lookup":
                 from benchmarks import prefix_lookup
 
-                rows += prefix_lookup.run(lookup_blocks, lookup_disk, ctx)
+                out += prefix_lookup.run(lookup_blocks, lookup_disk, ctx)
             elif section == "ttft":
                 from benchmarks import ttft
 
-                rows += ttft.run(prompt_lengths, ctx)
+                out += ttft.run(prompt_lengths, ctx)
             elif section == "rss":
                 from benchmarks import rss
 
-                rows += rss.run(rss_sizes, ctx)
+                out += rss.run(rss_sizes, ctx)
             elif section == "server":
                 from benchmarks import lm_server
 
-                rows += lm_server.run(ctx)
+                out += lm_server.run(ctx)
+            elif section == "peers":
+                from benchmarks import peers_lm, peers_vlm
+
+                out += peers_vlm.run(peer_lengths, ctx)
+                out += peers_lm.run(256 if smoke else 2048, ctx)
+                ctx.note(VLLM_MLX_NOTE)
+            elif section == "growth":
+                from benchmarks import growth
+
+                out += growth.run(
+                    growth_blocks, restore_lengths, growth_budget, restore_max_gb, ctx
+                )
             elif section == "signed":
                 from benchmarks import signed
 
-                rows += signed.run(sizes[-1:], ctx)
+                out += signed.run(sizes[-1:], ctx)
             elif section == "scale":
                 from benchmarks import scale
 
-                rows += scale.run(scale_sizes, ctx)
+                out += scale.run(scale_sizes, ctx)
+            return out
+
+        for section in args.only:
+            t0 = time.perf_counter()
+            try:
+                rows += _section(section)
+            except Exception as e:  # one broken section must not lose the others' rows
+                import traceback
+
+                traceback.print_exc()
+                ctx.note(f"section {section} failed and is left out: {type(e).__name__}: {e}")
             print(f"[{section}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr)
     finally:
         if server is not None:
@@ -134,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         "lookup_blocks_disk": lookup_disk,
         "prompt_lengths": prompt_lengths,
         "rss_sizes": rss_sizes,
+        "peer_lengths": peer_lengths,
+        "growth_blocks": growth_blocks,
+        "growth_budget": growth_budget,
+        "restore_lengths": restore_lengths,
+        "restore_max_gb": restore_max_gb,
         "scale_sizes": scale_sizes,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -143,6 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     print(report.markdown(rows, ctx.notes))
     report.write_json(args.out, report.document(rows, machine, config, ctx.notes))
     print(f"wrote {args.out} ({config['seconds']} s)", file=sys.stderr)
+    doc = args.doc
+    if doc is None and not smoke and list(args.only) == list(SECTIONS):
+        doc = DEFAULT_DOC
+    if doc and doc != "none":
+        from benchmarks import docgen
+
+        docgen.update(doc, rows, machine, config, ctx.notes)
+        print(f"rewrote the generated section of {doc}", file=sys.stderr)
     return 0
 
 

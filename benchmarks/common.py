@@ -77,11 +77,14 @@ def time_runs(
     teardown: Callable[[], Any] | None = None,
     warmup: int = 0,
     collect: bool = True,
+    clear: bool = True,
 ) -> Stats:
     """Time ``fn`` ``repeat`` times (after ``warmup`` untimed runs); setup/teardown untimed.
 
     The garbage collector is paused while ``fn`` runs; ``collect`` runs it before each call
     (skip it for microsecond operations: a full collection costs tens of milliseconds).
+    ``clear`` empties MLX's buffer cache after each run (a *cold allocator*: the next run
+    page-faults fresh memory); ``clear=False`` keeps it, as a long-running server does.
     """
     times: list[float] = []
     for i in range(warmup + repeat):
@@ -98,10 +101,43 @@ def time_runs(
             gc.enable()
         if teardown is not None:
             teardown()
-        mx.clear_cache()  # freed buffers go back to the system, not to MLX's cache
+        if clear:
+            mx.clear_cache()  # freed buffers go back to the system, not to MLX's cache
         if i >= warmup:
             times.append(dt)
     return Stats.of(times)
+
+
+def time_alternating(
+    fns: dict[str, Callable[[], Any]],
+    repeat: int,
+    *,
+    setup: dict[str, Callable[[], Any]] | None = None,
+    warmup: int = 1,
+    clear: bool = True,
+) -> dict[str, Stats]:
+    """Time several functions in alternating order (ABBA...), so drift hits each alike."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    setup = setup or {}
+    for i in range(warmup + repeat):
+        order = names if i % 2 == 0 else names[::-1]
+        for name in order:
+            if name in setup:
+                setup[name]()
+            gc.collect()
+            gc.disable()
+            try:
+                t0 = time.perf_counter()
+                fns[name]()
+                dt = time.perf_counter() - t0
+            finally:
+                gc.enable()
+            if clear:
+                mx.clear_cache()
+            if i >= warmup:
+                times[name].append(dt)
+    return {n: Stats.of(t) for n, t in times.items()}
 
 
 def speed_ratio(ours: Stats, baseline: Stats) -> float:
