@@ -287,7 +287,10 @@ def test_an_undecodable_index_row_no_longer_spoils_its_batch(tmp_path):
     b.put("k", GOOD)
     with sqlite3.connect(tmp_path / "index.sqlite") as db:
         db.execute("UPDATE entries SET file = CAST(x'fffe41' AS TEXT) WHERE key = 'k'")
-        db.execute("INSERT INTO entries VALUES (CAST(x'ff' AS TEXT), 'x', 1, 0, 0)")
+        db.execute(
+            "INSERT INTO entries (key, file, size, access_time, store_time) "
+            "VALUES (CAST(x'ff' AS TEXT), 'x', 1, 0, 0)"
+        )
     good, k = b.get_many(["good", "k"])
     assert_same(good, GOOD)
     assert k is None
