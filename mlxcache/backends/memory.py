@@ -141,28 +141,26 @@ class MemoryBackend(BackendBase):
             self._sweep()
             return self._evict(max_bytes, None)
 
+    def _use(self, keys: list[str]) -> list:
+        """The live entries of ``keys`` (None where missing), marked as just used."""
+        now = clock.now()
+        found = []
+        for key in keys:
+            e = self._live(key, now)
+            if e is not None:
+                e.used = now
+                if not e.pinned:
+                    self._data.move_to_end(key)
+            found.append(e)
+        return found
+
     def _get_many(self, keys: list[str]) -> list[Record | None]:
-        out: list[Record | None] = []
         with self._lock:
-            now = clock.now()
-            for key in keys:
-                e = self._live(key, now)
-                if e is not None:
-                    e.used = now
-                    if not e.pinned:
-                        self._data.move_to_end(key)
-                out.append(None if e is None else detached(e.record))
-        return out
+            return [None if e is None else detached(e.record) for e in self._use(keys)]
 
     def _touch_many(self, keys: list[str]) -> None:
         with self._lock:
-            now = clock.now()
-            for key in keys:
-                e = self._live(key, now)
-                if e is not None:
-                    e.used = now
-                    if not e.pinned:
-                        self._data.move_to_end(key)
+            self._use(keys)
 
     def _pin(self, key: str, on: bool) -> bool:
         with self._lock:
