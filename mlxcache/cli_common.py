@@ -37,11 +37,12 @@ def open_store(uri: str, *, readonly: bool = False, **options: Any) -> CacheBack
         raise CLIError(str(exc)) from None
 
 
-def errors(backend: CacheBackend) -> int:
-    """Store failures counted so far by this process (no round trip to the store)."""
+def errors(backend: CacheBackend, *, rejected: bool = False) -> int:
+    """Store failures counted so far by this process (no round trip to the store); with
+    ``rejected``, records refused as unsigned or forged count too."""
     counts = getattr(backend, "counters", None)
     found = counts() if callable(counts) else backend.stats()
-    return int(found.get("errors", 0))
+    return int(found.get("errors", 0)) + (int(found.get("rejected", 0)) if rejected else 0)
 
 
 def check_reachable(backend: CacheBackend, before: int, uri: str) -> None:

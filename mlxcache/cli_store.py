@@ -183,9 +183,9 @@ def cmd_gc(args: argparse.Namespace) -> None:
 
 
 def cmd_copy(args: argparse.Namespace) -> None:
-    """Copy every entry; the destination's own answer (not our put) says what it kept."""
-    found = kept = nbytes = 0
-    missing: list[str] = []
+    """Copy every entry; the destination's own answer (not our put) says what it kept, asked
+    once at the end (one batch), so entries it evicted again during the copy count as lost."""
+    sizes: dict[str, int] = {}
     with open_store(args.src, readonly=True) as src, open_store(args.dst) as dst:
         src_before, dst_before = errors(src), errors(dst)
         keys = sorted(src.keys(args.prefix))
@@ -196,16 +196,15 @@ def cmd_copy(args: argparse.Namespace) -> None:
             for key in keys:
                 record = src.get(key)
                 if record is not None:
-                    found += 1
                     dst.put(key, record)
-                    if key in dst:
-                        kept += 1
-                        nbytes += record.nbytes
-                    else:
-                        missing.append(key)
+                    sizes[key] = record.nbytes
                 bar.advance(nbytes=0 if record is None else record.nbytes)
+        there = dst.contains_many(list(sizes))
         check_reachable(src, src_before, args.src)
         check_reachable(dst, dst_before, args.dst)
+    missing = [k for k, ok in zip(sizes, there, strict=True) if not ok]
+    found, kept = len(sizes), len(sizes) - len(missing)
+    nbytes = sum(n for (k, n), ok in zip(sizes.items(), there, strict=True) if ok)
     result = {"keys": len(keys), "read": found, "kept": kept, "bytes": nbytes}
     if args.json:
         print_json({**result, "copied": kept, "not_kept": missing})
@@ -218,12 +217,6 @@ def cmd_copy(args: argparse.Namespace) -> None:
             f"the destination kept {kept} of {found} entries (over its max_bytes?): "
             f"first not kept: {missing[0]}"
         )
-
-
-def _failures(backend: CacheBackend) -> int:
-    counts = getattr(backend, "counters", None)
-    found = counts() if callable(counts) else backend.stats()
-    return int(found.get("errors", 0)) + int(found.get("rejected", 0))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -250,9 +243,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         check_reachable(backend, listed, args.uri)  # an unreachable store is not "0 bad"
         with Progress("verify", len(keys), unit="entries") as bar:
             for key in keys:
-                before = _failures(backend)
+                before = errors(backend, rejected=True)
                 record = backend.get(key)
-                if record is None and _failures(backend) > before:
+                if record is None and errors(backend, rejected=True) > before:
                     bad[key] = str(getattr(backend, "last_error", None) or "unreadable")
                 elif record is not None:
                     checked += 1

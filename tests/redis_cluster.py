@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 
 import redis
-from redis_server import REDIS_SERVER, free_port
+from redis_server import REDIS_SERVER, free_port, stop_process
 
 REDIS_CLI = os.environ.get("REDIS_CLI", shutil.which("redis-cli") or "redis-cli")
 NODE_TIMEOUT_MS = 1000  # short for fast failovers, long enough for a loaded 2-core machine
@@ -102,13 +102,7 @@ class Node:
         self.proc = None
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
         self.proc = None
 
     def log(self) -> str:
