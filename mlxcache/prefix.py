@@ -17,13 +17,22 @@ import numpy as np
 
 from mlxcache import hashing
 from mlxcache import prefix_records as pr
-from mlxcache.backends.base import CacheBackend, log
+from mlxcache.backends.base import (
+    CacheBackend,
+    ChainFound,
+    ChainWalk,
+    add_sibling,
+    log,
+    walk_chain,
+    walks_chains,
+)
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
 
 KEY_ROOT = "mlxcache/prefix/v1"
+_TOKEN_BYTES = len(hashing.tokens_bytes([0]))  # one token in a sibling label (int64)
 
 
 @dataclass
@@ -242,6 +251,11 @@ class PrefixCache:
             keys.append(vkey)
         if not keys:
             return 0
+        # the partial block, in its parent's sibling index: a one-trip lookup finds it there
+        sibling = None
+        if r:
+            members = [self._key("t", plan.partial(n_full, r)), blocks[-1][0]]
+            sibling = (self._key("s", plan.parent(n_full)), plan.block_tokens(n_full, r), members)
         exists = self.backend.contains_many(keys)
         # build what can fail (unsupported checkpoint classes, bad extras) before any put
         tail = vision = None
@@ -260,7 +274,7 @@ class PrefixCache:
             if rec is not None:
                 todo.append((key, rec, 0))
         if not background:
-            written = self._write(todo)
+            written = self._write(todo, sibling)
             if pin:
                 self._pin(keys)
             return written
@@ -272,7 +286,7 @@ class PrefixCache:
         nbytes = sum(rec.nbytes for _, rec, _ in todo)
 
         def write() -> int:
-            written = self._write(todo)
+            written = self._write(todo, sibling)
             if pin:
                 self._pin(keys)
             return written
@@ -280,9 +294,11 @@ class PrefixCache:
         queued = self.writer.submit(write, nbytes) if todo or pin else True
         return sum(m for _, _, m in todo) if queued else 0
 
-    def _write(self, todo: list[tuple[str, Record, int]]) -> int:
+    def _write(self, todo: list[tuple[str, Record, int]], sibling: tuple | None = None) -> int:
         for key, rec, _ in todo:
             self.backend.put(key, rec)
+        if sibling is not None:  # after the puts: an entry names keys already stored
+            add_sibling(self.backend, *sibling)
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
         kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []
@@ -313,17 +329,22 @@ class PrefixCache:
     ) -> PrefixHit | None:
         """The longest cached prefix of ``token_ids`` with these images, or None.
 
-        One ``contains_many`` (a second, of at most ``block_size - 1`` keys, when the match
-        ends inside the request's whole blocks) and one ``get_many``. With
-        ``require_extras`` a hit must end at a stored length (where extras were kept).
+        One ``walk_chain`` where the backend has it (one round trip on Redis); else one
+        ``contains_many`` (a second, of at most ``block_size - 1`` keys, when the match ends
+        inside the request's whole blocks) and one ``get_many``. With ``require_extras`` a
+        hit must end at a stored length (where extras were kept).
         """
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
-        keys = self._probe_keys(plan)
-        found = self.backend.contains_many(keys) if keys else []
-        match = self._match(plan, found)
-        fetch = self._fetch_keys(plan, match)
-        recs = self.backend.get_many(fetch) if fetch else []
+        walked = self._walk(plan)
+        if walked is not None:
+            match, recs = walked
+        else:
+            keys = self._probe_keys(plan)
+            found = self.backend.contains_many(keys) if keys else []
+            match = self._match(plan, found)
+            fetch = self._fetch_keys(plan, match)
+            recs = self.backend.get_many(fetch) if fetch else []
         hit = self._assemble(plan, match, recs, require_extras)
         self._count(lookups=1, tokens_requested=len(tokens))
         if hit is None or not hit.num_tokens:
@@ -331,6 +352,44 @@ class PrefixCache:
         else:
             self._count(hits=1, tokens_reused=hit.num_tokens)
         return hit
+
+    def _walk(self, plan: _Plan) -> tuple[_Match, list] | None:
+        """The match and the records of ``_fetch_keys`` from one ``walk_chain``; None where the
+        backend cannot walk, or its answer does not name the keys this plan computes (a
+        forged or colliding sibling entry): the caller then takes the default path."""
+        bs = self.block_size
+        n_full, r = divmod(len(plan.tokens), bs)
+        vkey = self._vision_key(plan)
+        if not walks_chains(self.backend) or not (n_full or r or vkey):
+            return None
+        full = plan.full(n_full)
+        parts = [plan.partial(n_full, m) for m in range(r, 0, -1)]
+        walk = ChainWalk(
+            chain=[self._key("b", h) for h in full],
+            marks=[self._key("t", h) for h in full],
+            siblings=[self._key("s", plan.parent(i)) for i in range(n_full)],
+            labels=hashing.tokens_bytes(plan.tokens[: n_full * bs]),
+            label_size=bs * _TOKEN_BYTES,
+            unit=_TOKEN_BYTES,
+            ends=[[self._key("t", p), self._key("b", p)] for p in parts],
+            extras=[vkey] if vkey else [],
+        )
+        found = walk_chain(self.backend, walk)
+        return None if found is None else self._walked(plan, found)
+
+    def _walked(self, plan: _Plan, found: ChainFound) -> tuple[_Match, list] | None:
+        """Check a walk's candidate against this plan's keys; its records in fetch order."""
+        n_full, r = divmod(len(plan.tokens), self.block_size)
+        k, pm, recs = found.k, 0, list(found.records)
+        if found.rank:
+            pm = r + 1 - found.rank if k == n_full else found.rank
+            p = plan.partial(k, pm) if 0 < pm < self.block_size and k <= n_full else None
+            if p is None or found.members != [self._key("t", p), self._key("b", p)]:
+                log.warning("prefix cache: a sibling index entry names other keys; not using it")
+                return None
+            recs[k : k + 2] = recs[k + 1 : k + 2] + recs[k : k + 1]  # the block, then its tail
+        vision = bool(plan.digests) and bool(found.extras) and found.extras[0]
+        return _Match(k, pm, found.aligned, vision), recs
 
     def _probe_keys(self, plan: _Plan) -> list[str]:
         """What one ``contains_many`` asks: every whole block, the tail at each whole block,
