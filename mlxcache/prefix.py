@@ -216,7 +216,8 @@ class PrefixCache:
         docs/backends.md).
 
         Only blocks not yet stored are written (one ``contains_many`` first, one after the
-        puts to count what the backend kept: a refused or failed put counts 0). ``extras``
+        puts to count what the backend kept: a refused or failed put counts 0; a prompt that
+        ends inside a block then registers it with ``add_sibling`` for one-trip lookups). ``extras``
         (e.g. ``{"rope_deltas": ...}``) are kept with this exact length. With ``background``
         the records are built and evaluated here, the puts run on this cache's writer thread
         (see ``flush()``) and the return value is the number of new tokens queued.
@@ -297,11 +298,13 @@ class PrefixCache:
     def _write(self, todo: list[tuple[str, Record, int]], sibling: tuple | None = None) -> int:
         for key, rec, _ in todo:
             self.backend.put(key, rec)
-        if sibling is not None:  # after the puts: an entry names keys already stored
-            add_sibling(self.backend, *sibling)
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
         kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []
+        if sibling is not None:  # once its tail is stored: an entry names kept keys only
+            new = {k: ok for (k, _, _), ok in zip(todo, kept, strict=True)}
+            if new.get(sibling[2][0], True):
+                add_sibling(self.backend, *sibling)
         written = sum(m for (_, _, m), ok in zip(todo, kept, strict=True) if ok)
         self._count(stores=1, tokens_written=written, records_written=sum(kept))
         return written

@@ -331,3 +331,57 @@ def test_sibling_indexes_stay_bounded(redis_url):
     assert not backend.client.exists(index)
     assert not backend.client.exists(backend.layout.heads[0] + "i:sibof")
     backend.close()
+
+
+def test_chunked_values_come_whole_with_two_more_round_trips(redis_url, turn1):
+    """Values over chunk_size come back as manifests; their chunks are read the usual way."""
+    ids, cache = turn1
+    walk = RedisBackend(redis_url, chunk_size=1024)
+    pc = PrefixCache(walk, model="q", block_size=BS)
+    base = PrefixCache(DefaultPath(redis_url, chunk_size=1024), model="q", block_size=BS)
+    pc.store(ids, cache)
+    turn2 = ids + prompt(30, seed=19)
+    pc.lookup(ids), base.lookup(ids)
+    for request in (ids, turn2):
+        n, hit = trips(pc, request)
+        assert (n, hit.num_tokens) == (3, 40)
+        same_hit(hit, base.lookup(request))
+    walk.clear()
+    walk.close()
+    base.backend.close()
+
+
+def test_sentinel_walks_in_one_round_trip(redis_sentinel, turn1):
+    ids, cache = turn1
+    with PrefixCache(redis_sentinel.url, model="q", block_size=BS) as pc:
+        assert walks_chains(pc.backend)
+        pc.store(ids, cache)
+        pc.lookup(ids)
+        for request, want in ((ids, 40), (ids + prompt(50, seed=20), 40), (prompt(40, 21), None)):
+            n, hit = trips(pc, request)
+            assert (n, hit and hit.num_tokens) == (1, want)
+
+
+def test_cluster_takes_the_default_path_with_the_same_hits(redis_cluster, redis_url, turn1):
+    ids, cache = turn1
+    with PrefixCache(redis_cluster.url, model="q", block_size=BS) as pc:
+        assert not walks_chains(pc.backend)
+        single = PrefixCache(RedisBackend(redis_url), model="q", block_size=BS)
+        for c in (pc, single):
+            c.store(ids, cache)
+        for request in (ids, ids + prompt(50, seed=22), prompt(40, 23)):
+            hit = pc.lookup(request)
+            same_hit(hit, single.lookup(request))
+        assert pc.lookup(ids + prompt(50, seed=22)).num_tokens == 40
+        single.backend.close()
+
+
+def test_a_refused_partial_block_is_not_registered(redis_url, turn1):
+    ids, cache = turn1
+    backend = RedisBackend(redis_url, max_bytes=0)  # stores nothing: every put refused
+    pc = PrefixCache(backend, model="q", block_size=BS)
+    assert pc.store(ids, cache) == 0
+    index, _ = sibling_index(pc, ids, 2)
+    assert not backend.client.exists(index)
+    assert trips(pc, ids + prompt(20, seed=24)) == (1, None)
+    backend.close()

@@ -3,7 +3,9 @@
 ``commit`` points a key at its value and evicts least recently used keys until the total fits
 the budget; ``touch`` checks a key's lifetime and refreshes its access order; ``drop`` forgets a
 key; ``stats`` reads the totals; ``evict`` trims the store to a budget; ``pin`` moves a key out
-of (or back into) the LRU. The key layout is described in :mod:`mlxcache.backends.redis_keys`.
+of (or back into) the LRU; ``walk`` answers a whole ``ChainWalk`` (one prefix lookup) with
+reads that refresh the LRU as ``touch`` does; ``sibling`` registers a sibling index entry. The
+key layout is described in :mod:`mlxcache.backends.redis_keys`.
 
 Every script gets ``ARGV[1..4]`` = key prefix, clock offset (ms), ttl (ms), idle_ttl (ms; 0 =
 none) and its own arguments from ``ARGV[5]``. Time is the server's ``TIME`` plus the offset
