@@ -15,24 +15,15 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache import hashing
+from mlxcache import hashing, prefix_walk
 from mlxcache import prefix_records as pr
-from mlxcache.backends.base import (
-    CacheBackend,
-    ChainFound,
-    ChainWalk,
-    add_sibling,
-    log,
-    walk_chain,
-    walks_chains,
-)
+from mlxcache.backends.base import CacheBackend, add_sibling, log, walk_chain, walks_chains
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
 
 KEY_ROOT = "mlxcache/prefix/v1"
-_TOKEN_BYTES = len(hashing.tokens_bytes([0]))  # one token in a sibling label (int64)
 
 
 @dataclass
@@ -358,41 +349,13 @@ class PrefixCache:
 
     def _walk(self, plan: _Plan) -> tuple[_Match, list] | None:
         """The match and the records of ``_fetch_keys`` from one ``walk_chain``; None where the
-        backend cannot walk, or its answer does not name the keys this plan computes (a
-        forged or colliding sibling entry): the caller then takes the default path."""
-        bs = self.block_size
-        n_full, r = divmod(len(plan.tokens), bs)
+        backend cannot walk or its answer does not fit the request (see prefix_walk)."""
         vkey = self._vision_key(plan)
-        if not walks_chains(self.backend) or not (n_full or r or vkey):
+        if not walks_chains(self.backend) or not (len(plan.tokens) or vkey):
             return None
-        full = plan.full(n_full)
-        parts = [plan.partial(n_full, m) for m in range(r, 0, -1)]
-        walk = ChainWalk(
-            chain=[self._key("b", h) for h in full],
-            marks=[self._key("t", h) for h in full],
-            siblings=[self._key("s", plan.parent(i)) for i in range(n_full)],
-            labels=hashing.tokens_bytes(plan.tokens[: n_full * bs]),
-            label_size=bs * _TOKEN_BYTES,
-            unit=_TOKEN_BYTES,
-            ends=[[self._key("t", p), self._key("b", p)] for p in parts],
-            extras=[vkey] if vkey else [],
-        )
-        found = walk_chain(self.backend, walk)
-        return None if found is None else self._walked(plan, found)
-
-    def _walked(self, plan: _Plan, found: ChainFound) -> tuple[_Match, list] | None:
-        """Check a walk's candidate against this plan's keys; its records in fetch order."""
-        n_full, r = divmod(len(plan.tokens), self.block_size)
-        k, pm, recs = found.k, 0, list(found.records)
-        if found.rank:
-            pm = r + 1 - found.rank if k == n_full else found.rank
-            p = plan.partial(k, pm) if 0 < pm < self.block_size and k <= n_full else None
-            if p is None or found.members != [self._key("t", p), self._key("b", p)]:
-                log.warning("prefix cache: a sibling index entry names other keys; not using it")
-                return None
-            recs[k : k + 2] = recs[k + 1 : k + 2] + recs[k : k + 1]  # the block, then its tail
-        vision = bool(plan.digests) and bool(found.extras) and found.extras[0]
-        return _Match(k, pm, found.aligned, vision), recs
+        found = walk_chain(self.backend, prefix_walk.chain_walk(plan, self._key, vkey))
+        read = None if found is None else prefix_walk.read_walk(plan, self._key, found)
+        return None if read is None else (_Match(*read[:4]), read[4])
 
     def _probe_keys(self, plan: _Plan) -> list[str]:
         """What one ``contains_many`` asks: every whole block, the tail at each whole block,
