@@ -70,7 +70,7 @@ def bytes_per_token(model: str) -> int:
 
 
 def _lookup_rows(label: str, uri: str, sizes: list[int], budget: float, ctx: Any) -> list[Row]:
-    from benchmarks.prefix_lookup import _count_round_trips, _fill, _tiny_cache
+    from benchmarks.prefix_lookup import _fill, _tiny_cache, _trips
     from mlxcache import open_backend
     from mlxcache.prefix import PrefixCache
 
@@ -105,9 +105,8 @@ def _lookup_rows(label: str, uri: str, sizes: list[int], budget: float, ctx: Any
             for kind, prompt in (("hit", tokens), ("miss", unseen)):
                 note = f"{size:,} blocks stored"
                 if label == "redis://":
-                    with _count_round_trips() as counter:
-                        pc.lookup(prompt)
-                    note += f"; {counter[0]} round trips"
+                    trips = _trips(pc, prompt)
+                    note += f"; {trips} round trip{'s' if trips != 1 else ''}"
                 st = time_runs(
                     lambda p=prompt: pc.lookup(p), max(ctx.repeat, 10), warmup=2, collect=False
                 )

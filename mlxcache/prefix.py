@@ -15,9 +15,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache import hashing
+from mlxcache import hashing, prefix_walk
 from mlxcache import prefix_records as pr
-from mlxcache.backends.base import CacheBackend, log
+from mlxcache.backends.base import CacheBackend, add_sibling, log, walk_chain, walks_chains
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
@@ -207,7 +207,8 @@ class PrefixCache:
         docs/backends.md).
 
         Only blocks not yet stored are written (one ``contains_many`` first, one after the
-        puts to count what the backend kept: a refused or failed put counts 0). ``extras``
+        puts to count what the backend kept: a refused or failed put counts 0; a prompt that
+        ends inside a block then registers it with ``add_sibling`` for one-trip lookups). ``extras``
         (e.g. ``{"rope_deltas": ...}``) are kept with this exact length. With ``background``
         the records are built and evaluated here, the puts run on this cache's writer thread
         (see ``flush()``) and the return value is the number of new tokens queued.
@@ -242,6 +243,11 @@ class PrefixCache:
             keys.append(vkey)
         if not keys:
             return 0
+        # the partial block, in its parent's sibling index: a one-trip lookup finds it there
+        sibling = None
+        if r:
+            members = [self._key("t", plan.partial(n_full, r)), blocks[-1][0]]
+            sibling = (self._key("s", plan.parent(n_full)), plan.block_tokens(n_full, r), members)
         exists = self.backend.contains_many(keys)
         # build what can fail (unsupported checkpoint classes, bad extras) before any put
         tail = vision = None
@@ -260,7 +266,7 @@ class PrefixCache:
             if rec is not None:
                 todo.append((key, rec, 0))
         if not background:
-            written = self._write(todo)
+            written = self._write(todo, sibling)
             if pin:
                 self._pin(keys)
             return written
@@ -272,7 +278,7 @@ class PrefixCache:
         nbytes = sum(rec.nbytes for _, rec, _ in todo)
 
         def write() -> int:
-            written = self._write(todo)
+            written = self._write(todo, sibling)
             if pin:
                 self._pin(keys)
             return written
@@ -280,12 +286,16 @@ class PrefixCache:
         queued = self.writer.submit(write, nbytes) if todo or pin else True
         return sum(m for _, _, m in todo) if queued else 0
 
-    def _write(self, todo: list[tuple[str, Record, int]]) -> int:
+    def _write(self, todo: list[tuple[str, Record, int]], sibling: tuple | None = None) -> int:
         for key, rec, _ in todo:
             self.backend.put(key, rec)
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
         kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []
+        if sibling is not None:  # once its tail is stored: an entry names kept keys only
+            new = {k: ok for (k, _, _), ok in zip(todo, kept, strict=True)}
+            if new.get(sibling[2][0], True):
+                add_sibling(self.backend, *sibling)
         written = sum(m for (_, _, m), ok in zip(todo, kept, strict=True) if ok)
         self._count(stores=1, tokens_written=written, records_written=sum(kept))
         return written
@@ -313,17 +323,22 @@ class PrefixCache:
     ) -> PrefixHit | None:
         """The longest cached prefix of ``token_ids`` with these images, or None.
 
-        One ``contains_many`` (a second, of at most ``block_size - 1`` keys, when the match
-        ends inside the request's whole blocks) and one ``get_many``. With
-        ``require_extras`` a hit must end at a stored length (where extras were kept).
+        One ``walk_chain`` where the backend has it (one round trip on Redis); else one
+        ``contains_many`` (a second, of at most ``block_size - 1`` keys, when the match ends
+        inside the request's whole blocks) and one ``get_many``. With ``require_extras`` a
+        hit must end at a stored length (where extras were kept).
         """
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
-        keys = self._probe_keys(plan)
-        found = self.backend.contains_many(keys) if keys else []
-        match = self._match(plan, found)
-        fetch = self._fetch_keys(plan, match)
-        recs = self.backend.get_many(fetch) if fetch else []
+        walked = self._walk(plan)
+        if walked is not None:
+            match, recs = walked
+        else:
+            keys = self._probe_keys(plan)
+            found = self.backend.contains_many(keys) if keys else []
+            match = self._match(plan, found)
+            fetch = self._fetch_keys(plan, match)
+            recs = self.backend.get_many(fetch) if fetch else []
         hit = self._assemble(plan, match, recs, require_extras)
         self._count(lookups=1, tokens_requested=len(tokens))
         if hit is None or not hit.num_tokens:
@@ -331,6 +346,16 @@ class PrefixCache:
         else:
             self._count(hits=1, tokens_reused=hit.num_tokens)
         return hit
+
+    def _walk(self, plan: _Plan) -> tuple[_Match, list] | None:
+        """The match and the records of ``_fetch_keys`` from one ``walk_chain``; None where the
+        backend cannot walk or its answer does not fit the request (see prefix_walk)."""
+        vkey = self._vision_key(plan)
+        if not walks_chains(self.backend) or not (len(plan.tokens) or vkey):
+            return None
+        found = walk_chain(self.backend, prefix_walk.chain_walk(plan, self._key, vkey))
+        read = None if found is None else prefix_walk.read_walk(plan, self._key, found)
+        return None if read is None else (_Match(*read[:4]), read[4])
 
     def _probe_keys(self, plan: _Plan) -> list[str]:
         """What one ``contains_many`` asks: every whole block, the tail at each whole block,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LOOKUPS = ("hit", "partial", "miss")  # the prefix lookups benchmarks/prefix_lookup.py times
 
 
 def _importable(module: str) -> bool:
@@ -80,6 +81,8 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
         expected |= {("throughput", "redis-py SET (raw)"), ("throughput", "redis-py GET (raw)")}
         if _importable("mlxcache.backends.redis"):
             expected |= {("throughput", "redis:// put"), ("throughput", "redis:// get")}
+            if _importable("mlxcache.prefix"):
+                expected |= {("lookup", f"redis:// lookup ({k})") for k in LOOKUPS}
     if _importable("mlxcache.integrations.mlx_vlm") and _importable("mlxcache.backends.disk"):
         expected |= {("ttft", "qwen2_vl uncached"), ("ttft", "qwen2_vl file:// warm")}
     if _importable("mlx_lm") and _importable("mlxcache.integrations.mlx_lm_server"):
@@ -113,6 +116,12 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
     expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names
     assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
+
+    # every PrefixCache lookup on one Redis server is one round trip (the default path: 2-3)
+    for row in rows:
+        if row["section"] == "lookup" and row["name"].startswith("redis://"):
+            assert row["extra"]["round_trips"] == 1 and row["met"], row
+            assert row["extra"]["round_trips_default"] in (2, 3), row
 
     # a flipped byte on disk must never come back as a silent hit in our cache
     ours_flip = [r for r in rows if r["name"] == "mlxcache file:// flipped byte, new process"]
