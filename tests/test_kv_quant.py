@@ -292,3 +292,13 @@ def test_tiny_vlm_restored_from_8_bit_kv(name):
         diff = mx.abs(logits - ref_logits).max().item()
         spread = (ref_logits.max() - ref_logits.min()).item()
         assert np.isfinite(diff) and diff <= 0.05 * spread, (diff, spread)
+
+
+def test_shared_prompt_cache_passes_the_setting_down():
+    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+
+    spc = SharedPromptCache(backend="memory://", kv_bits=4, kv_group_size=32)
+    assert spc.prefix_cache(("m", None, None)).kv_quant == KVQuant(4, 32)
+    assert SharedPromptCache(backend="memory://").prefix_cache(("m", None, None)).kv_quant is None
+    with pytest.raises(ValueError, match="kv_bits"):
+        SharedPromptCache(backend="memory://", kv_bits=9)
