@@ -68,6 +68,18 @@ def test_round_trip_within_the_documented_bound(dtype, q):
     assert bound.max().item() < 2.5 * spread / (2**q.bits - 1) + 0.02 * mx.abs(g).max().item()
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("b", kv_quant.BITS)
+def test_dequantize_is_mx_dequantize_bit_for_bit(dtype, b):
+    q = KVQuant(b, 32)
+    a = kv_cache(24, 64, dtype).values[..., :24, :]
+    w, s, z = mx.quantize(a, group_size=32, bits=b)
+    theirs = mx.dequantize(w, s, z, group_size=32, bits=b)
+    mine = kv_quant.dequantize(w, s, z, q)
+    assert mine.dtype == theirs.dtype and mine.shape == theirs.shape == a.shape
+    assert bits(mine) == bits(theirs)
+
+
 def test_arrays_that_do_not_fit_stay_exact(caplog):
     q = KVQuant(8, 64)
     odd = kv_cache(8, 80).keys[..., :8, :]  # 80 is not whole groups of 64
