@@ -33,8 +33,8 @@ def kv_cache(n: int, dim: int, dtype=mx.bfloat16, seed: int = 0, heads: int = 2)
     return c
 
 
-def prompt(n: int, seed: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 900, n).tolist()
+def prompt(n: int, seed: int = 0, high: int = 900) -> list[int]:
+    return np.random.default_rng(seed).integers(1, high, n).tolist()
 
 
 def stored_bytes(pc: PrefixCache) -> int:
@@ -283,9 +283,10 @@ def _greedy(model, ids, cache, n):
 def test_tiny_vlm_restored_from_8_bit_kv(name):
     """Exact mode restores bit-exact logits; 8-bit gives finite logits close to them.
 
-    The bound: a logit moves by at most the sum over layers of |attention change| x the norm of
-    what follows; with 8-bit KV (one step = 1/255 of each group's range) we allow 5% of the
-    exact logits' spread, an order of magnitude above what these models show (docs/prefix.md).
+    Nothing bounds a logit's change tightly (it depends on the weights); the assertion is 5% of
+    the exact logits' spread, over 10x what these models show with 8-bit KV (0.04-0.4%,
+    `python -m benchmarks --only quant`), so a wrong dequantize (scales, order, dtype) fails it.
+    Greedy tokens are not asserted: a near tie may flip (gemma3 does, after 11 tokens).
     """
     model = build_model(name)[0]
     ids = prompt(80, seed=1)
@@ -314,3 +315,25 @@ def test_shared_prompt_cache_passes_the_setting_down():
     assert SharedPromptCache(backend="memory://").prefix_cache(("m", None, None)).kv_quant is None
     with pytest.raises(ValueError, match="kv_bits"):
         SharedPromptCache(backend="memory://", kv_bits=9)
+
+
+def test_mlx_lm_generation_resumes_from_8_bit_kv(tmp_path):
+    """The mlx-lm integration on quantized storage: the warm run restores everything but the
+    last token, and its first logits are finite and near the cold run's (see above)."""
+    import mlx_lm
+
+    from mlxcache.integrations.mlx_lm import generate_tokens
+    from mlxcache.tiny_models import build_tiny_lm
+
+    path = build_tiny_lm(tmp_path / "lm", hidden_size=256, num_heads=4)  # head dim 64
+    model, _ = mlx_lm.load(str(path))
+    pc = PrefixCache("memory://", model="tiny-lm-64", block_size=BS, kv_bits=8)
+    ids = prompt(70, seed=2, high=400)  # the tiny LM's vocabulary is smaller
+    cold = generate_tokens(model, ids, cache=pc, max_tokens=4)
+    warm = generate_tokens(model, ids, cache=pc, max_tokens=4)
+    assert cold.cached_tokens == 0 and cold.stored_tokens == 69 and warm.cached_tokens == 69
+    blocks = [r for r in pc.backend.get_many(list(pc.backend.keys(""))) if "kvq" in r.meta]
+    assert blocks and all(len(r.meta["kvq"]["arrays"]) == 4 for r in blocks)  # 2 layers, k+v
+    diff = mx.abs(warm.first_logits - cold.first_logits).max().item()
+    spread = (cold.first_logits.max() - cold.first_logits.min()).item()
+    assert np.isfinite(diff) and diff <= 0.05 * spread, (diff, spread)
