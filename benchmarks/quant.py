@@ -320,6 +320,10 @@ def run(lengths: list[int], ctx: Any) -> list[Row]:
     return rows
 
 
+def _x(row: Row | None) -> str:
+    return f"{row.ratio:.2f}x" if row is not None and row.ratio is not None else ""
+
+
 def summary(rows: list[Row]) -> str:
     """A short table for docs/performance.md: bytes, restore ratio and where it pays."""
     q = [r for r in rows if r.section == SECTION]
@@ -340,8 +344,8 @@ def summary(rows: list[Row]) -> str:
 
         st, rs, pays = find("store"), find("restore"), find("restore: link cost at the tie")
         out.append(
-            f"| {mode} | {label} | {n} | {r.stats.median:,.0f} | {r.ratio:.2f}x | "
-            f"{st.ratio:.2f}x | {rs.ratio:.2f}x | {pays.note if pays else ''} |"
+            f"| {mode} | {label} | {n} | {r.stats.median:,.0f} | {_x(r)} | {_x(st)} | {_x(rs)} "
+            f"| {pays.note if pays else ''} |"
         )
     for r in q:
         if r.unit == "logit":
