@@ -19,7 +19,9 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed", "scale", "peers", "growth")
+SECTIONS = (
+    "throughput", "lookup", "ttft", "rss", "server", "signed", "scale", "peers", "growth", "quant"
+)  # fmt: skip
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
 VLLM_MLX_NOTE = (
@@ -99,6 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip restore points whose KV is larger than this (default 2)",
     )
     p.add_argument(
+        "--quant-lengths",
+        type=_ints,
+        default=None,
+        help="prompt lengths of the quantized-KV rows (default 1024,4096)",
+    )
+    p.add_argument(
         "--doc",
         default=None,
         help=f"markdown file whose generated section is rewritten (default {DEFAULT_DOC} for a "
@@ -128,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         [64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, 32768]
     )
     restore_max_gb = args.restore_max_gb or (0.1 if smoke else 2.0)
+    quant_lengths = args.quant_lengths or ([64] if smoke else [1024, 4096])
     scale_sizes = sizes[:1] if smoke else [n for n in (512, 4096) if n in sizes] or sizes[:2]
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))
@@ -182,6 +191,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import signed
 
                 out += signed.run(sizes[-1:], ctx)
+            elif section == "quant":
+                from benchmarks import quant
+
+                out += quant.run(quant_lengths, ctx)
             elif section == "scale":
                 from benchmarks import scale
 
@@ -218,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         "restore_lengths": restore_lengths,
         "restore_max_gb": restore_max_gb,
         "scale_sizes": scale_sizes,
+        "quant_lengths": quant_lengths,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -13,6 +13,7 @@ TITLES = {
     "lookup": "Prefix lookup latency",
     "ttft": "Time to first token, cold vs warm (ratio = cold / warm, > 1 = faster)",
     "scale": "Background stores, tiers, Redis Cluster (ratio = baseline / ours, > 1 = faster)",
+    "quant": "Quantized KV storage (ratio = exact / quantized, > 1 = quantized wins)",
     "rss": "Peak extra memory during put / get (ratio = extra RSS / payload, lower is better)",
 }
 

@@ -20,6 +20,7 @@ from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, add_sibling, log, walk_chain, walks_chains
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
+from mlxcache.serializers import kv_quant
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
 
@@ -107,6 +108,8 @@ class PrefixCache:
     the default folder). ``model`` is the model identity (see ``model_identity``); ``salt``
     isolates tenants. With ``image_token_id``, each image keys the block where its placeholder
     run starts, so text before an image is shared across images (see docs/prefix.md).
+    ``kv_bits`` (8, 4, ...; None = exact, the default) stores block KV quantized in groups of
+    ``kv_group_size``: lossy, fewer bytes moved; its own namespace (docs/prefix.md).
     """
 
     def __init__(
@@ -117,7 +120,10 @@ class PrefixCache:
         block_size: int = 256,
         salt: str = "",
         image_token_id: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
+        self.kv_quant = kv_quant.make(kv_bits, kv_group_size)  # ValueError before opening
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if backend is None or isinstance(backend, str):
@@ -129,7 +135,9 @@ class PrefixCache:
             raise TypeError(f"backend must be a CacheBackend or a URI, got {type(backend)}")
         self.model, self.salt, self.block_size = model, salt, block_size
         self.image_token_id = image_token_id
-        self._seed = hashing.namespace_seed(model, salt)
+        self._seed = hashing.namespace_seed(
+            model, salt, kv=self.kv_quant.tag if self.kv_quant else ""
+        )
         self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
         self._lock = threading.Lock()
         self.writer: BackgroundWriter | None = None  # made by the first background store
@@ -259,9 +267,10 @@ class PrefixCache:
         todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
         for (key, i, m), there in zip(blocks, exists, strict=False):
             if not there:
-                todo.append(
-                    (key, pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m), m)
+                rec = pr.block_record(
+                    layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant
                 )
+                todo.append((key, rec, m))
         for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if rec is not None:
                 todo.append((key, rec, 0))
@@ -479,7 +488,7 @@ class PrefixCache:
             return None
         num, used, tail = choice
         try:  # a record that verified but does not rebuild (another format, forged) is a miss
-            layers = pr.join_blocks(used, lay) if used else {}
+            layers = pr.join_blocks(used, lay, self.kv_quant) if used else {}
             ckpt, extras = pr.read_tail(tail, lay) if tail is not None else ({}, {})
             layers.update(ckpt)
             cache = [layers[j] for j in range(len(lay))]
@@ -538,4 +547,7 @@ class PrefixCache:
         self.close()
 
     def __repr__(self) -> str:
-        return f"PrefixCache(model={self.model!r}, block_size={self.block_size}, {self.backend!r})"
+        kv = f", kv_bits={self.kv_quant.bits}" if self.kv_quant else ""
+        return (
+            f"PrefixCache(model={self.model!r}, block_size={self.block_size}{kv}, {self.backend!r})"
+        )

@@ -112,6 +112,17 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("growth", "restore Qwen2.5-7B memory://"),
             ("growth", "break-even Qwen2.5-7B memory:// vs M2 Max, 7B Q4_0"),
         }
+    if _importable("mlxcache.prefix") and _importable("mlx_lm"):
+        expected |= {
+            ("quant", "q8 file:// restore"),
+            ("quant", "q4 file:// store"),
+            ("quant", "q8 file:// bytes per token"),
+            ("quant", "q4 file:// restore: link cost at the tie"),
+            ("quant", "qwen2_vl q8: max |logit diff| vs exact"),
+            ("quant", "gemma3 q8: greedy tokens equal to uncached"),
+        }
+        if shutil.which("redis-server"):
+            expected |= {("quant", "q8 redis:// restore"), ("quant", "q4 redis:// store")}
     expected |= {("signed", "signed file:// put"), ("signed", "signed file:// get")}
     expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names
