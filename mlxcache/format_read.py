@@ -64,12 +64,12 @@ def _read_pieces(
     fd: int, header: st.Header, key: str | None, signer: Signer | None
 ) -> dict[str, mx.array]:
     """Format 2: every piece read into its array and hashed in the same job; then verified."""
-    full = [t for t in header.tensors if t.end > t.begin]
-    blanks = _blank_arrays([t.end - t.begin for t in full])
-    raw = dict(zip((t.name for t in full), blanks, strict=True))
+    arrays = dict(zip((t.name for t in header.tensors), _blank_arrays(header.tensors), strict=True))
     jobs: list[tuple[memoryview, int]] = []
-    for t in full:  # the order of digests.pieces: tensors by offset, each cut every PIECE
-        view = memoryview(raw[t.name]).cast("B")
+    for t in header.tensors:  # the order of digests.pieces: tensors by offset, each cut every PIECE
+        if t.end == t.begin:
+            continue
+        view = memoryview(arrays[t.name]).cast("B")
         start = header.data_offset + t.begin
         jobs += [
             (view[i : i + digests.PIECE], start + i) for i in range(0, len(view), digests.PIECE)
@@ -88,14 +88,6 @@ def _read_pieces(
         return digests.pmap(lambda j: digests.leaf(kind, j[:1]), jobs, header.data_size)
 
     digests.verify_leaves(header, leaves, key, signer)
-    arrays = {}
-    for t in header.tensors:
-        dtype = st._BY_NAME[t.dtype][0]
-        if t.name in raw:
-            arrays[t.name] = raw[t.name].view(dtype).reshape(t.shape)
-        else:
-            arrays[t.name] = mx.zeros(t.shape, dtype)
-    mx.eval(list(arrays.values()))
     for t in header.tensors:
         st._check_array(t, arrays[t.name])
     return arrays
@@ -112,7 +104,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> None:
 
 
 class _Blank:
-    """A stand-in safetensors file of uint8 tensors whose bytes are never read.
+    """A stand-in safetensors file with the record's tensor table, whose bytes are never read.
 
     ``mx.load`` of it allocates each array (reusing MLX's buffer cache, as a real load does)
     and asks us to fill it; we leave it as is, to be filled straight from the record file.
@@ -120,10 +112,12 @@ class _Blank:
 
     closed = False
 
-    def __init__(self, sizes: Sequence[int]) -> None:
+    def __init__(self, tensors: Sequence[st.TensorInfo]) -> None:
         table, offset = {}, 0
-        for i, n in enumerate(sizes):
-            table[str(i)] = {"dtype": "U8", "shape": [n], "data_offsets": [offset, offset + n]}
+        for i, t in enumerate(tensors):  # by index: a record's names never reach MLX's parser
+            n = t.end - t.begin
+            spec = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+            table[str(i)] = spec
             offset += n
         text = json.dumps(table).encode()
         text += b" " * (-len(text) % 8)
@@ -147,12 +141,12 @@ class _Blank:
         return len(view)
 
 
-def _blank_arrays(sizes: Sequence[int]) -> list[mx.array]:
-    """Evaluated, unfilled uint8 arrays of these sizes (no pass over their memory)."""
-    if not sizes:
+def _blank_arrays(tensors: Sequence[st.TensorInfo]) -> list[mx.array]:
+    """Evaluated, unfilled arrays of these dtypes and shapes (no pass over their memory)."""
+    if not tensors:
         return []
-    loaded = mx.load(_Blank(sizes), format="safetensors")
-    out = [loaded[str(i)] for i in range(len(sizes))]
+    loaded = mx.load(_Blank(tensors), format="safetensors")
+    out = [loaded[str(i)] for i in range(len(tensors))]
     mx.eval(out)
     return out
 
