@@ -121,17 +121,37 @@ def _executor() -> tuple[ThreadPoolExecutor, int]:
 
 
 def pmap(fn: Callable[[Any], _T], items: Sequence[Any], nbytes: int) -> list[_T]:
-    """``[fn(x) for x in items]``, spread over the hashing pool when ``nbytes`` make it pay.
+    """``[fn(x) for x in items]``, spread over the cores when ``nbytes`` make it pay.
 
+    The calling thread works too, and every thread takes the next item as it finishes one, so a
+    pool thread that is slow to be scheduled (a busy machine) costs nothing but its share.
     ``fn`` must release the GIL for most of its work (file reads, xxhash and BLAKE3 on large
-    buffers do), so the pieces really run on every core.
+    buffers do), so the pieces really run on every core. The first error is raised.
     """
     if nbytes < _INLINE_BYTES or len(items) < 2:
         return [fn(x) for x in items]
     pool, workers = _executor()
-    step = max(1, len(items) // (4 * workers))
-    batches = [items[i : i + step] for i in range(0, len(items), step)]
-    return [r for batch in pool.map(lambda b: [fn(x) for x in b], batches) for r in batch]
+    results: list[Any] = [None] * len(items)
+    todo = iter(range(len(items)))  # next() on it is atomic under the GIL: one taker per item
+    failed: list[BaseException] = []
+
+    def drain() -> None:
+        for i in todo:
+            if failed:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as exc:
+                failed.append(exc)
+                return
+
+    helpers = [pool.submit(drain) for _ in range(min(workers, len(items)) - 1)]
+    drain()
+    for h in helpers:
+        h.result()
+    if failed:
+        raise failed[0]
+    return results
 
 
 def root(
