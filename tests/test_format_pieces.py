@@ -240,3 +240,17 @@ def test_returned_arrays_are_independent_of_later_reads(tmp_path):
     again = st.read_file(path)
     assert_same(first, got)
     assert not mx.array_equal(again.arrays["c"], got.arrays["c"]).item()
+
+
+def test_pmap_keeps_order_and_raises_the_first_error():
+    items = list(range(200))
+    assert digests.pmap(lambda x: x * x, items, nbytes=1 << 30) == [x * x for x in items]
+
+    def boom(x):
+        if x == 150:
+            raise FormatError("piece 150")
+        return x
+
+    with pytest.raises(FormatError, match="piece 150"):
+        digests.pmap(boom, items, nbytes=1 << 30)
+    assert digests.pmap(lambda x: -x, items, nbytes=1 << 30)[:3] == [0, -1, -2]  # pool reusable
