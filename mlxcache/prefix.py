@@ -281,8 +281,12 @@ class PrefixCache:
         return sum(m for _, _, m in todo) if queued else 0
 
     def _write(self, todo: list[tuple[str, Record, int]]) -> int:
-        for key, rec, _ in todo:
-            self.backend.put(key, rec)
+        put_many = getattr(self.backend, "put_many", None)  # one sync on file:// (batch)
+        if put_many is not None:
+            put_many([(key, rec) for key, rec, _ in todo])
+        else:  # a third-party backend of the bare protocol
+            for key, rec, _ in todo:
+                self.backend.put(key, rec)
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
         kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []
