@@ -17,7 +17,7 @@ import numpy as np
 
 from mlxcache import hashing
 from mlxcache import prefix_records as pr
-from mlxcache.backends.base import CacheBackend, log
+from mlxcache.backends.base import CacheBackend, log, put_all
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
@@ -281,12 +281,7 @@ class PrefixCache:
         return sum(m for _, _, m in todo) if queued else 0
 
     def _write(self, todo: list[tuple[str, Record, int]]) -> int:
-        put_many = getattr(self.backend, "put_many", None)  # one sync on file:// (batch)
-        if put_many is not None:
-            put_many([(key, rec) for key, rec, _ in todo])
-        else:  # a third-party backend of the bare protocol
-            for key, rec, _ in todo:
-                self.backend.put(key, rec)
+        put_all(self.backend, [(key, rec) for key, rec, _ in todo])  # file://: one sync
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
         kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []

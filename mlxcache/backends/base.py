@@ -61,6 +61,16 @@ def is_persistent(backend: CacheBackend) -> bool:
     return bool(getattr(backend, "persistent", True))
 
 
+def put_all(backend: CacheBackend, items: list[tuple[str, Record]]) -> None:
+    """``backend.put_many(items)`` where it has one (BackendBase does), else ``put`` each."""
+    put_many = getattr(backend, "put_many", None)
+    if put_many is not None:
+        put_many(items)
+        return
+    for key, record in items:
+        backend.put(key, record)
+
+
 class BackendBase:
     """The protocol's policy over a backend's raw operations.
 
