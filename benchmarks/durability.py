@@ -98,7 +98,7 @@ def run(ctx: Any) -> list[Row]:
     rows: list[Row] = []
     try:
         for name, tokens, nbytes, fn in _workloads(ctx):
-            stats = _time_modes(stores, fn, fresh, max(ctx.repeat, 3))
+            stats = _time_modes(stores, fn, fresh, ctx.repeat)
             for m in MODES:
                 base = stats["always"].median
                 rows.append(
