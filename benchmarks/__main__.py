@@ -20,7 +20,8 @@ from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
 SECTIONS = (
-    "throughput", "lookup", "ttft", "rss", "server", "signed", "scale", "peers", "growth", "quant"
+    "throughput", "durability", "lookup", "ttft", "rss", "server", "signed", "scale", "peers",
+    "growth", "quant",
 )  # fmt: skip
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
@@ -70,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup-blocks-disk",
         type=int,
         default=None,
-        help="blocks stored for the file:// prefix lookup (default 2000: each put fsyncs)",
+        help="blocks stored for the file:// prefix lookup (default 100000, by put_many batches)",
     )
     p.add_argument("--prompt-lengths", type=_ints, default=None, help="TTFT prompt lengths")
     p.add_argument(
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ([32, 64] if smoke else [512, 4096, 16384])
     repeat = args.repeat or (2 if smoke else 5)
     lookup_blocks = args.lookup_blocks or (2000 if smoke else 100_000)
-    lookup_disk = args.lookup_blocks_disk or (100 if smoke else 2000)
+    lookup_disk = args.lookup_blocks_disk or (100 if smoke else 100_000)
     prompt_lengths = args.prompt_lengths or ([32, 64] if smoke else [128, 512, 2048])
     rss_sizes = sizes[:1] if smoke else sizes
     # prompt lengths that are not multiples of APC's 16-token blocks, plus one that is (256)
@@ -159,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import throughput
 
                 out += throughput.run(sizes, ctx)
+            elif section == "durability":
+                from benchmarks import durability
+
+                out += durability.run(ctx)
             elif section == "lookup":
                 from benchmarks import prefix_lookup
 

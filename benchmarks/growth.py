@@ -2,8 +2,9 @@
 
 1. ``PrefixCache.lookup`` (hit of a 512-token prompt in 32 blocks of 16, and a miss) while the
    store grows through 1k / 10k / 100k / 1M tiny blocks, on ``memory://``, ``file://`` and
-   ``redis://``. Each backend is filled with its own ``put`` (``file://`` fsyncs every put) under
-   a time budget; a size the budget cannot reach is cut and said so.
+   ``redis://``. Each backend is filled by ``put_many`` batches (``file://``: one sync and one
+   transaction per batch) under a time budget; a size the budget cannot reach is cut and said
+   so.
 2. Restore time (``PrefixCache.lookup`` of a stored prompt, arrays evaluated) vs prompt length,
    with the KV shapes of real models (``MODELS``: layers, KV heads and head dim from their
    ``config.json``; bf16; random data), on each backend.
@@ -75,13 +76,7 @@ def _lookup_rows(label: str, uri: str, sizes: list[int], budget: float, ctx: Any
     from mlxcache.prefix import PrefixCache
 
     rows: list[Row] = []
-    backend = None
-    if label == "file://":  # without a per-put fsync where the backend offers it (fills faster)
-        try:
-            backend = open_backend(uri + "?sync=never")
-        except Exception:
-            backend = None
-    backend = backend or open_backend(uri)
+    backend = open_backend(uri)  # file:// with its default sync: one sync per put_many batch
     try:
         pc = PrefixCache(backend, model="bench-growth", block_size=BLOCK)
         tokens = list(range(1000, 1000 + PROMPT))

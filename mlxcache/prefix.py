@@ -17,7 +17,14 @@ import numpy as np
 
 from mlxcache import hashing, prefix_walk
 from mlxcache import prefix_records as pr
-from mlxcache.backends.base import CacheBackend, add_sibling, log, walk_chain, walks_chains
+from mlxcache.backends.base import (
+    CacheBackend,
+    add_sibling,
+    log,
+    put_all,
+    walk_chain,
+    walks_chains,
+)
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
 from mlxcache.serializers import kv_quant
@@ -296,8 +303,7 @@ class PrefixCache:
         return sum(m for _, _, m in todo) if queued else 0
 
     def _write(self, todo: list[tuple[str, Record, int]], sibling: tuple | None = None) -> int:
-        for key, rec, _ in todo:
-            self.backend.put(key, rec)
+        put_all(self.backend, [(key, rec) for key, rec, _ in todo])  # file://: one sync
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
         kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []

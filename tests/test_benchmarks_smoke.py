@@ -74,6 +74,9 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("throughput", "mx.save_safetensors + fsync, cold allocator"),
             ("rss", "file:// put"),
             ("rss", "file:// get"),
+            ("durability", "file:// put_many, 32 tiny blocks, sync=batch"),
+            ("durability", "file:// put, one KV record, sync=never"),
+            ("lookup", "file:// lookup (hit)"),
         }
     if _importable("mlxcache.prefix"):
         expected |= {("lookup", "memory:// lookup (hit)"), ("lookup", "memory:// lookup (miss)")}

@@ -124,17 +124,27 @@ def add_sibling(backend: CacheBackend, index: str, label: bytes, members: list[s
         fn(index, label, members)
 
 
+def put_all(backend: CacheBackend, items: list[tuple[str, Record]]) -> None:
+    """``backend.put_many(items)`` where it has one (BackendBase does), else ``put`` each."""
+    put_many = getattr(backend, "put_many", None)
+    if put_many is not None:
+        put_many(items)
+        return
+    for key, record in items:
+        backend.put(key, record)
+
+
 class BackendBase:
     """The protocol's policy over a backend's raw operations.
 
     Subclasses set ``scheme`` (and ``persistent = False`` if they keep live objects), call
     ``super().__init__`` and implement ``_prepare``, ``_put``, ``_get_many``,
     ``_contains_many``, ``_delete``, ``_keys``, ``_count``, ``_clear``, ``_stats`` and
-    ``_trim``; ``_header`` and ``_close`` are optional. A raw operation may raise anything:
-    the base counts it in ``stats()["errors"]``, logs it (rate-limited), keeps its text in
-    ``last_error`` and returns the call's miss value. Errors of a type in ``_unreachable``
-    mean the store is gone: calls are then skipped for a backoff that doubles from
-    ``backoff`` up to ``max_backoff`` seconds, and tried again after it.
+    ``_trim``; ``_header``, ``_close`` and ``_put_many`` are optional. A raw operation may
+    raise anything: the base counts it in ``stats()["errors"]``, logs it (rate-limited), keeps
+    its text in ``last_error`` and returns the call's miss value. Errors of a type in
+    ``_unreachable`` mean the store is gone: calls are then skipped for a backoff that doubles
+    from ``backoff`` up to ``max_backoff`` seconds, and tried again after it.
     """
 
     scheme = "backend"
@@ -173,6 +183,10 @@ class BackendBase:
     def _put(self, key: str, payload: Any, size: int) -> int:
         """Store ``payload`` under ``key``; returns how many entries were evicted for it."""
         raise NotImplementedError
+
+    _put_many: Callable[[list[tuple[str, Any, int]]], tuple[int, list[Any]]] | None = None
+    """Optional: store prepared ``(key, payload, size)`` entries as one batch; returns
+    (entries evicted, each entry's exception or None). Without it ``put_many`` loops ``put``."""
 
     def _get_many(self, keys: list[str]) -> list[Record | None]:
         raise NotImplementedError
@@ -314,6 +328,48 @@ class BackendBase:
         if evicted is None:
             return  # failed: counted as an error
         self._counters.add("bytes_written", record.nbytes)  # tensor bytes, as bytes_read
+        if evicted:
+            self._counters.add("evictions", evicted)
+        if self._fleet is not None:
+            self._fleet.maybe_flush()
+
+    def put_many(self, items: Iterable[tuple[str, Record]]) -> None:
+        """``put`` each ``(key, record)`` with the same policy, as one batch where the store can
+        (``file://``: one sync and one transaction); an oversize record is refused alone."""
+        items = [(check_key(k), check_record(r)) for k, r in items]
+        if self._put_many is None or type(self).put is not BackendBase.put:
+            for key, record in items:  # no batch operation, or a subclass that wraps put
+                self.put(key, record)
+            return
+        if not items or self.max_bytes == 0 or self._refuses_all():
+            return
+        if self._skipping():
+            self._counters.add("errors", len(items))
+            return
+        batch: list[tuple[str, Any, int]] = []
+        nbytes: list[int] = []
+        for key, record in items:
+            payload, size = self._prepare(key, record)  # raises before anything is written
+            if self.max_bytes is not None and size > self.max_bytes:
+                log.warning(
+                    "%s cache: refusing %r (%d bytes) larger than max_bytes=%d",
+                    self.scheme, key, size, self.max_bytes,
+                )  # fmt: skip
+                continue
+            batch.append((key, payload, size))
+            nbytes.append(record.nbytes)
+        if not batch:
+            return
+        with self.latency.timer("put"):
+            done = self._guard("put", None, self._put_many, batch, n=len(batch))
+        if done is None:
+            return  # failed: counted as errors
+        evicted, failed = done
+        for exc in failed:
+            if exc is not None:
+                self.error("put", exc)
+        kept = sum(b for b, e in zip(nbytes, failed, strict=True) if e is None)
+        self._counters.add("bytes_written", kept)
         if evicted:
             self._counters.add("evictions", evicted)
         if self._fleet is not None:
