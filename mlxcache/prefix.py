@@ -7,6 +7,7 @@ prompt (images included, by content and in order) and never anyone else's. See d
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,14 @@ from mlxcache import hashing
 from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, log
 from mlxcache.backends.writer import BackgroundWriter
+from mlxcache.prefix_hot import (
+    DEFAULT_HOT_BYTES,
+    HotEntry,
+    HotTier,
+    entry_from_hit,
+    make_entry,
+    own_layers,
+)
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
@@ -107,6 +116,8 @@ class PrefixCache:
     the default folder). ``model`` is the model identity (see ``model_identity``); ``salt``
     isolates tenants. With ``image_token_id``, each image keys the block where its placeholder
     run starts, so text before an image is shared across images (see docs/prefix.md).
+    ``hot_bytes`` bounds the in-process hot tier of assembled prefixes (0: none; see
+    ``prefix_hot.py``).
     """
 
     def __init__(
@@ -117,6 +128,7 @@ class PrefixCache:
         block_size: int = 256,
         salt: str = "",
         image_token_id: int | None = None,
+        hot_bytes: int = DEFAULT_HOT_BYTES,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -133,6 +145,8 @@ class PrefixCache:
         self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
         self._lock = threading.Lock()
         self.writer: BackgroundWriter | None = None  # made by the first background store
+        hot = HotTier(hot_bytes)  # validates hot_bytes
+        self._hot: HotTier | None = hot if hot_bytes else None
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
              "stores", "tokens_written", "records_written", "rejected", "records_pinned",
@@ -259,6 +273,11 @@ class PrefixCache:
         for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if rec is not None:
                 todo.append((key, rec, 0))
+        if self._hot is not None and n:
+            entry = make_entry(
+                n, own_layers(layers), extras, stored=True, vision=vision_embeddings, keys=keys
+            )
+            self._hot.put(self._length_digest(plan, n), entry)
         if not background:
             written = self._write(todo)
             if pin:
@@ -319,12 +338,22 @@ class PrefixCache:
         """
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
-        keys = self._probe_keys(plan)
-        found = self.backend.contains_many(keys) if keys else []
-        match = self._match(plan, found)
-        fetch = self._fetch_keys(plan, match)
-        recs = self.backend.get_many(fetch) if fetch else []
-        hit = self._assemble(plan, match, recs, require_extras)
+        hot = self._hot_find(plan, require_extras)
+        if hot is not None and (
+            hot.num_tokens == len(tokens) or self._longest(plan) <= hot.num_tokens
+        ):
+            hit = self._hot_serve(hot)  # nothing longer in the backend: no read
+        else:
+            keys = self._probe_keys(plan)
+            found = self.backend.contains_many(keys) if keys else []
+            match = self._match(plan, found)
+            fetch = self._fetch_keys(plan, match)
+            recs = self.backend.get_many(fetch) if fetch else []
+            hit = self._assemble(plan, match, recs, require_extras)
+            if hot is not None and (hit is None or hit.num_tokens < hot.num_tokens):
+                hit = self._hot_serve(hot)  # the longer records did not verify
+            else:
+                self._hot_keep(plan, hit, require_extras)
         self._count(lookups=1, tokens_requested=len(tokens))
         if hit is None or not hit.num_tokens:
             self._count(misses=1)
@@ -477,9 +506,67 @@ class PrefixCache:
         prefix of some length (an in-process tier) calls ``lookup`` only when this is longer.
         """
         plan = self._plan(_tokens(token_ids), list(images), image_positions)
+        hot = self._hot_find(plan, False)
+        if hot is not None and hot.num_tokens == len(plan.tokens):
+            return hot.num_tokens  # the whole request is in the hot tier
+        return max(hot.num_tokens if hot else 0, self._longest(plan))
+
+    def _longest(self, plan: _Plan) -> int:
         keys = self._probe_keys(plan)
         match = self._match(plan, self.backend.contains_many(keys) if keys else [])
-        return match.k * self.block_size + match.pm  # a hit never ends past this
+        return match.k * self.block_size + match.pm  # a backend hit never ends past this
+
+    # ------------------------------------------------------------ the hot tier
+
+    def _length_digest(self, plan: _Plan, n: int) -> bytes:
+        """The chain key of the first ``n`` tokens (the tail key of that stored length)."""
+        a, p = divmod(n, self.block_size)
+        return plan.partial(a, p) if p else plan.full(a)[-1]
+
+    def _hot_find(self, plan: _Plan, require_extras: bool) -> HotEntry | None:
+        """The longest hot entry that is a prefix of the request and can answer it."""
+        if self._hot is None or not len(plan.tokens):
+            return None
+        digest = functools.partial(self._length_digest, plan)
+        n, vision = len(plan.tokens), bool(plan.digests)
+        return self._hot.longest(n, digest, stored=require_extras, vision=vision)
+
+    def _hot_serve(self, entry: HotEntry) -> PrefixHit:
+        assert self._hot is not None
+        layers, extras, vision = self._hot.serve(entry)
+        if vision is not None:
+            self._count(vision_hits=1)
+        if entry.keys and self._hot.due_touch(entry):
+            self._touch(list(entry.keys))
+        return PrefixHit(entry.num_tokens, layers, extras, vision)
+
+    def _hot_keep(self, plan: _Plan, hit: PrefixHit | None, require_extras: bool) -> None:
+        """Keep a verified backend hit in the hot tier, with the keys of its records."""
+        if self._hot is None or hit is None or not hit.num_tokens or hit.prompt_cache is None:
+            return
+        n = hit.num_tokens
+        a, p = divmod(n, self.block_size)
+        keys = [self._key("b", h) for h in plan.full(a)] + (
+            [self._key("b", plan.partial(a, p))] if p else []
+        )
+        keys.append(self._key("t", self._length_digest(plan, n)))
+        if hit.vision_embeddings is not None:
+            keys.append(self._vision_key(plan))
+        entry = entry_from_hit(
+            n, hit.prompt_cache, hit.extras, hit.vision_embeddings, stored=require_extras, keys=keys
+        )
+        if entry is not None:
+            self._hot.put(self._length_digest(plan, n), entry)
+
+    def _touch(self, keys: list[str]) -> None:
+        """Refresh the backend's LRU order of a hot entry's records, off the caller's thread."""
+        touch = getattr(self.backend, "touch_many", None)
+        if touch is None:
+            return
+        with self._lock:
+            if self.writer is None:
+                self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
+        self.writer.submit(lambda: touch(keys))
 
     # ------------------------------------------------------------ the rest
 
@@ -489,12 +576,16 @@ class PrefixCache:
             out: dict[str, Any] = dict(self._counts)
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         out["backend"] = self.backend.stats()
+        out["hot"] = self._hot.stats() if self._hot is not None else None
         if self.writer is not None:
             out["writer"] = self.writer.stats()
         return out
 
     def clear(self) -> int:
-        """Delete every entry of this model and salt (a key scan: an admin operation)."""
+        """Delete every entry of this model and salt (a key scan: an admin operation), the hot
+        tier's too."""
+        if self._hot is not None:
+            self._hot.clear()
         keys = list(self.backend.keys(self.key_prefix))
         return sum(self.backend.delete(k) for k in keys)
 
