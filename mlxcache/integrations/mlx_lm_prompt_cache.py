@@ -2,9 +2,10 @@
 
 ``SharedPromptCache`` is a drop-in ``LRUPromptCache`` (mlx-lm 0.32: same methods, arguments,
 return values and ``cache_type`` handling) whose hot tier is mlx-lm's own LRU of live caches,
-held to its entry and byte budget, over a ``PrefixCache`` on any mlxcache URI. Every insert is
-stored to the backend before ``insert_cache`` returns; a fetch the hot tier cannot answer is
-looked up there, so a second worker or a restarted server finds what the first one computed.
+held to its entry and byte budget, over a ``PrefixCache`` on any mlxcache URI. An insert is
+stored to the backend on a writer thread (``flush()`` and ``close()`` wait for it), so it costs
+about what mlx-lm's does; a fetch the hot tier cannot answer is looked up there, so a second
+worker or a restarted server finds what the first one computed.
 A failing backend (a dead Redis, a full disk, a cache class it cannot store) is a miss and a log
 line, never an exception into the server.
 """
@@ -80,10 +81,12 @@ class SharedPromptCache(LRUPromptCache):
     mlx-lm's class). ``backend`` is a URI or a ``CacheBackend`` (None: ``$MLXCACHE_URL``, else
     the embedded default). ``identity(model_key)`` names a model for the shared keys (two
     processes share KV only when it matches; default: the model key's paths). Set
-    ``persist=False`` for a plain hot LRU. With ``background=True`` stores run on a
-    ``BackgroundWriter`` thread (at most ``max_pending`` waiting: the caller waits for room
-    rather than drop an answered request's store); callbacks of ``after_next_insert`` run when
-    the store is done, and ``flush()`` waits for all of them.
+    ``persist=False`` for a plain hot LRU. Stores run on a ``BackgroundWriter`` thread (at
+    most ``max_pending`` waiting: the caller waits for room rather than drop an answered
+    request's store; ``background=False`` stores before ``insert_cache`` returns); callbacks
+    of ``after_next_insert`` run when the store is done, and ``flush()`` waits for all of them.
+    ``hot_bytes`` is the ``PrefixCache`` hot tier of each model (default 0: mlx-lm's LRU is
+    the hot tier, and ``max_bytes`` stays the whole in-process budget).
     """
 
     def __init__(
@@ -96,11 +99,15 @@ class SharedPromptCache(LRUPromptCache):
         block_size: int = 256,
         salt: str = "",
         persist: bool = True,
-        background: bool = False,
+        background: bool = True,
         max_pending: int = 2,
+        hot_bytes: int = 0,
     ) -> None:
+        if isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0:
+            raise ValueError(f"hot_bytes must be an int >= 0, got {hot_bytes!r}")
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.identity, self.block_size, self.salt = identity, block_size, salt
+        self.hot_bytes = hot_bytes
         self.backend: CacheBackend | None = None
         self._owns_backend = False
         if persist:
@@ -134,7 +141,13 @@ class SharedPromptCache(LRUPromptCache):
         name = self.identity(model)
         pc = self._prefix.get(name)
         if pc is None:
-            pc = PrefixCache(self.backend, model=name, block_size=self.block_size, salt=self.salt)
+            pc = PrefixCache(
+                self.backend,
+                model=name,
+                block_size=self.block_size,
+                salt=self.salt,
+                hot_bytes=self.hot_bytes,
+            )
             self._prefix[name] = pc
         return pc
 
