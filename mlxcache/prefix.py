@@ -339,9 +339,7 @@ class PrefixCache:
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
         hot = self._hot_find(plan, require_extras)
-        if hot is not None and (
-            hot.num_tokens == len(tokens) or self._longest(plan) <= hot.num_tokens
-        ):
+        if hot is not None and self._beyond(plan, hot.num_tokens) == hot.num_tokens:
             hit = self._hot_serve(hot)  # nothing longer in the backend: no read
         else:
             keys = self._probe_keys(plan)
@@ -499,22 +497,37 @@ class PrefixCache:
         *,
         images: Sequence[Any] = (),
         image_positions: Sequence[int] | None = None,
+        have: int = 0,
     ) -> int:
         """At most how many leading tokens ``lookup`` could restore, reading no record.
 
-        The same ``contains_many`` as ``lookup`` and nothing else: a caller that already has a
-        prefix of some length (an in-process tier) calls ``lookup`` only when this is longer.
+        At most the ``contains_many`` of ``lookup``: a caller that already has ``have`` tokens
+        (an in-process tier) gets ``have`` back when nothing longer is stored, and calls
+        ``lookup`` only when this is longer.
         """
         plan = self._plan(_tokens(token_ids), list(images), image_positions)
         hot = self._hot_find(plan, False)
-        if hot is not None and hot.num_tokens == len(plan.tokens):
-            return hot.num_tokens  # the whole request is in the hot tier
-        return max(hot.num_tokens if hot else 0, self._longest(plan))
+        return self._beyond(plan, max(have, hot.num_tokens if hot else 0))
 
     def _longest(self, plan: _Plan) -> int:
         keys = self._probe_keys(plan)
         match = self._match(plan, self.backend.contains_many(keys) if keys else [])
         return match.k * self.block_size + match.pm  # a backend hit never ends past this
+
+    def _beyond(self, plan: _Plan, n: int) -> int:
+        """``_longest`` when the backend may hold more than ``n`` tokens of the request, else n.
+
+        When ``n`` lies in the request's last partial block, only a stored length past ``n``
+        can: the tails at those lengths are the one question (none when ``n`` is the whole
+        request), and the full probe follows only when one exists.
+        """
+        n_full, r = divmod(len(plan.tokens), self.block_size)
+        a, p = divmod(n, self.block_size)
+        if a >= n_full:
+            keys = [self._key("t", plan.partial(a, q)) for q in range(p + 1, r + 1)]
+            if not keys or not any(self.backend.contains_many(keys)):
+                return n
+        return max(n, self._longest(plan))
 
     # ------------------------------------------------------------ the hot tier
 

@@ -224,3 +224,20 @@ def test_two_threads_store_and_look_up_within_the_budget():
     assert hot["bytes"] <= hot["max_bytes"] and hot["entries"] <= 3 and hot["evictions"] > 0
     for i in range(6):
         assert state_bits(pc.lookup(prompts[i]).prompt_cache) == wants[i]
+
+
+def test_longest_with_have_asks_only_about_longer_lengths_and_agrees_with_lookup():
+    backend = counting()
+    pc = PrefixCache(backend, model="m", block_size=BS, hot_bytes=0)
+    ids = prompt(70)
+    pc.store(ids[:37], kv_cache(37))
+    pc.store(ids[:52], kv_cache(52))
+    for n in (70, 60, 52, 50, 40, 37, 30, 16, 5):
+        hit = pc.lookup(ids[:n])
+        best = hit.num_tokens if hit else 0
+        for have in (0, 20, 37, 40, 48):
+            if have <= n:
+                assert pc.longest(ids[:n], have=have) == max(best, have), (n, have)
+    backend.calls.clear()
+    assert pc.longest(ids[:60], have=52) == 52  # in the last partial block: one small probe
+    assert backend.calls == {"contains_many": 1}

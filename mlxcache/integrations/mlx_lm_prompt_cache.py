@@ -183,8 +183,8 @@ class SharedPromptCache(LRUPromptCache):
         """A backend hit longer than ``have`` tokens (at most ``len(tokens) - 1``), or None."""
         try:
             pc = self.prefix_cache(model)
-            if pc is None or len(tokens) < 2 or pc.longest(tokens[:-1]) <= have:
-                return None  # one contains_many: nothing longer there, nothing read
+            if pc is None or len(tokens) < 2 or pc.longest(tokens[:-1], have=have) <= have:
+                return None  # one contains_many (of the lengths past ``have``), nothing read
             hit = pc.lookup(tokens[:-1])
         except Exception as e:  # a failing store is a miss, never an error in the server
             log.warning("mlx-lm prompt cache: lookup failed, running uncached: %s", e)
