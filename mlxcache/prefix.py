@@ -604,9 +604,11 @@ class PrefixCache:
 
     def close(self) -> None:
         """Write what ``store(..., background=True)`` queued; close the backend if this object
-        opened it (from a URI)."""
+        opened it (from a URI); drop the hot tier."""
         if self.writer is not None:
             self.writer.close()
+        if self._hot is not None:
+            self._hot.clear()
         if self._owns_backend:
             self.backend.close()
 

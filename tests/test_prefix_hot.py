@@ -241,3 +241,27 @@ def test_longest_with_have_asks_only_about_longer_lengths_and_agrees_with_lookup
     backend.calls.clear()
     assert pc.longest(ids[:60], have=52) == 52  # in the last partial block: one small probe
     assert backend.calls == {"contains_many": 1}
+
+
+def test_hot_hits_touch_their_records_so_the_backend_keeps_them(monkeypatch):
+    from mlxcache import prefix_hot
+
+    class Touched(MemoryBackend):
+        def __init__(self) -> None:
+            super().__init__()
+            self.touched: list[str] = []
+
+        def touch_many(self, keys):
+            self.touched += list(keys)
+            super().touch_many(keys)
+
+    backend = Touched()
+    pc = PrefixCache(backend, model="m", block_size=BS)
+    ids = prompt(40)
+    pc.store(ids, kv_cache(40))
+    assert pc.lookup(ids).num_tokens == 40 and pc.flush(30)
+    assert backend.touched == []  # touched at most every TOUCH_EVERY seconds
+    monkeypatch.setattr(prefix_hot, "TOUCH_EVERY", 0.0)
+    assert pc.lookup(ids).num_tokens == 40 and pc.flush(30)
+    assert set(backend.touched) == set(backend.keys()) and len(backend.touched) == 4
+    pc.close()
