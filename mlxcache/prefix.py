@@ -7,7 +7,6 @@ prompt (images included, by content and in order) and never anyone else's. See d
 
 from __future__ import annotations
 
-import functools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,14 +19,7 @@ from mlxcache import hashing
 from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, log
 from mlxcache.backends.writer import BackgroundWriter
-from mlxcache.prefix_hot import (
-    DEFAULT_HOT_BYTES,
-    HotEntry,
-    HotTier,
-    entry_from_hit,
-    make_entry,
-    own_layers,
-)
+from mlxcache.prefix_hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
 from mlxcache.record import Record
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
@@ -145,8 +137,8 @@ class PrefixCache:
         self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
         self._lock = threading.Lock()
         self.writer: BackgroundWriter | None = None  # made by the first background store
-        hot = HotTier(hot_bytes)  # validates hot_bytes
-        self._hot: HotTier | None = hot if hot_bytes else None
+        hot = HotPrefixes(hot_bytes, block_size, self._key)  # validates hot_bytes
+        self._hot: HotPrefixes | None = hot if hot_bytes else None
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
              "stores", "tokens_written", "records_written", "rejected", "records_pinned",
@@ -274,10 +266,7 @@ class PrefixCache:
             if rec is not None:
                 todo.append((key, rec, 0))
         if self._hot is not None and n:
-            entry = make_entry(
-                n, own_layers(layers), extras, stored=True, vision=vision_embeddings, keys=keys
-            )
-            self._hot.put(self._length_digest(plan, n), entry)
+            self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:
             written = self._write(todo)
             if pin:
@@ -338,21 +327,23 @@ class PrefixCache:
         """
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
-        hot = self._hot_find(plan, require_extras)
+        hot = self._hot.find(plan, require_extras) if self._hot is not None else None
         if hot is not None and self._beyond(plan, hot.num_tokens) == hot.num_tokens:
-            hit = self._hot_serve(hot)  # nothing longer in the backend: no read
-        else:
-            keys = self._probe_keys(plan)
-            found = self.backend.contains_many(keys) if keys else []
-            match = self._match(plan, found)
-            fetch = self._fetch_keys(plan, match)
-            recs = self.backend.get_many(fetch) if fetch else []
-            hit = self._assemble(plan, match, recs, require_extras)
-            if hot is not None and (hit is None or hit.num_tokens < hot.num_tokens):
-                hit = self._hot_serve(hot)  # the longer records did not verify
-            else:
-                self._hot_keep(plan, hit, require_extras)
-        self._count(lookups=1, tokens_requested=len(tokens))
+            return self._counted(len(tokens), self._hot_serve(hot))  # nothing longer: no read
+        keys = self._probe_keys(plan)
+        found = self.backend.contains_many(keys) if keys else []
+        match = self._match(plan, found)
+        fetch = self._fetch_keys(plan, match)
+        recs = self.backend.get_many(fetch) if fetch else []
+        hit = self._assemble(plan, match, recs, require_extras)
+        if hot is not None and (hit is None or hit.num_tokens < hot.num_tokens):
+            hit = self._hot_serve(hot)  # the longer records did not verify
+        elif self._hot is not None and hit is not None:
+            self._hot.keep_hit(plan, hit, require_extras, self._vision_key(plan))
+        return self._counted(len(tokens), hit)
+
+    def _counted(self, requested: int, hit: PrefixHit | None) -> PrefixHit | None:
+        self._count(lookups=1, tokens_requested=requested)
         if hit is None or not hit.num_tokens:
             self._count(misses=1)
         else:
@@ -506,7 +497,7 @@ class PrefixCache:
         ``lookup`` only when this is longer.
         """
         plan = self._plan(_tokens(token_ids), list(images), image_positions)
-        hot = self._hot_find(plan, False)
+        hot = self._hot.find(plan, False) if self._hot is not None else None
         return self._beyond(plan, max(have, hot.num_tokens if hot else 0))
 
     def _longest(self, plan: _Plan) -> int:
@@ -531,19 +522,6 @@ class PrefixCache:
 
     # ------------------------------------------------------------ the hot tier
 
-    def _length_digest(self, plan: _Plan, n: int) -> bytes:
-        """The chain key of the first ``n`` tokens (the tail key of that stored length)."""
-        a, p = divmod(n, self.block_size)
-        return plan.partial(a, p) if p else plan.full(a)[-1]
-
-    def _hot_find(self, plan: _Plan, require_extras: bool) -> HotEntry | None:
-        """The longest hot entry that is a prefix of the request and can answer it."""
-        if self._hot is None or not len(plan.tokens):
-            return None
-        digest = functools.partial(self._length_digest, plan)
-        n, vision = len(plan.tokens), bool(plan.digests)
-        return self._hot.longest(n, digest, stored=require_extras, vision=vision)
-
     def _hot_serve(self, entry: HotEntry) -> PrefixHit:
         assert self._hot is not None
         layers, extras, vision = self._hot.serve(entry)
@@ -552,24 +530,6 @@ class PrefixCache:
         if entry.keys and self._hot.due_touch(entry):
             self._touch(list(entry.keys))
         return PrefixHit(entry.num_tokens, layers, extras, vision)
-
-    def _hot_keep(self, plan: _Plan, hit: PrefixHit | None, require_extras: bool) -> None:
-        """Keep a verified backend hit in the hot tier, with the keys of its records."""
-        if self._hot is None or hit is None or not hit.num_tokens or hit.prompt_cache is None:
-            return
-        n = hit.num_tokens
-        a, p = divmod(n, self.block_size)
-        keys = [self._key("b", h) for h in plan.full(a)] + (
-            [self._key("b", plan.partial(a, p))] if p else []
-        )
-        keys.append(self._key("t", self._length_digest(plan, n)))
-        if hit.vision_embeddings is not None:
-            keys.append(self._vision_key(plan))
-        entry = entry_from_hit(
-            n, hit.prompt_cache, hit.extras, hit.vision_embeddings, stored=require_extras, keys=keys
-        )
-        if entry is not None:
-            self._hot.put(self._length_digest(plan, n), entry)
 
     def _touch(self, keys: list[str]) -> None:
         """Refresh the backend's LRU order of a hot entry's records, off the caller's thread."""

@@ -11,6 +11,7 @@ long as it is kept. Entries are our own cache objects, never a caller's; a hit h
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -70,29 +71,6 @@ def own_layers(prompt_cache: Sequence[Any]) -> list[Any]:
             out.append(copy.deepcopy(c))
     mx.eval(_arrays(_states(out)))
     return out
-
-
-def entry_from_hit(
-    num_tokens: int,
-    prompt_cache: list[Any],
-    extras: Mapping[str, Any],
-    vision: Any,
-    *,
-    stored: bool,
-    keys: Sequence[str],
-) -> HotEntry | None:
-    """An entry holding a copy of a verified backend hit (None, logged, if it cannot be copied).
-
-    ``stored``: the hit is known to end at a stored length (a lookup with ``require_extras``);
-    a hit with extras or with checkpoint layers always does.
-    """
-    try:
-        layers = copy.deepcopy(prompt_cache)
-        stored = stored or bool(extras) or pr.has_checkpoint(pr.layout(layers))
-        return make_entry(num_tokens, layers, extras, stored=stored, vision=vision, keys=keys)
-    except Exception as e:  # a class that does not copy: served from the backend only
-        log.warning("prefix cache: not keeping a hit in the hot tier: %s", e)
-        return None
 
 
 def make_entry(
@@ -210,3 +188,60 @@ class HotTier:
                 "max_bytes": self.max_bytes,
                 **self.counts,
             }
+
+
+class HotPrefixes(HotTier):
+    """A ``HotTier`` that speaks ``PrefixCache``'s plans: an entry's key is the chain digest of
+    its length (the digest of that length's ``t/`` record); ``key(kind, digest)`` names the
+    backend records an entry touches."""
+
+    def __init__(self, max_bytes: int, block_size: int, key: Callable[[str, bytes], str]) -> None:
+        super().__init__(max_bytes)
+        self.block_size, self.key = block_size, key
+
+    def digest(self, plan: Any, n: int) -> bytes:
+        """The chain digest of the request's first ``n`` tokens."""
+        a, p = divmod(n, self.block_size)
+        return plan.partial(a, p) if p else plan.full(a)[-1]
+
+    def find(self, plan: Any, require_extras: bool) -> HotEntry | None:
+        """The longest entry that is a prefix of the request and can answer it."""
+        if not len(plan.tokens):
+            return None
+        n, vision = len(plan.tokens), bool(plan.digests)
+        digest = functools.partial(self.digest, plan)
+        return self.longest(n, digest, stored=require_extras, vision=vision)
+
+    def keep_store(
+        self, plan: Any, layers: list[Any], extras: Any, vision: Any, keys: Sequence[str]
+    ) -> None:
+        """Keep what ``store`` was given (our own objects over its state, evaluated here)."""
+        n = len(plan.tokens)
+        entry = make_entry(n, own_layers(layers), extras, stored=True, vision=vision, keys=keys)
+        self.put(self.digest(plan, n), entry)
+
+    def keep_hit(self, plan: Any, hit: Any, require_extras: bool, vision_key: str | None) -> None:
+        """Keep a copy of a verified backend hit, with the keys of its records.
+
+        It ends at a stored length (its extras are the stored ones) when the lookup required
+        extras, or when it has extras or checkpoint layers (those always come from a tail).
+        """
+        n = hit.num_tokens
+        if not n or hit.prompt_cache is None:
+            return
+        a, p = divmod(n, self.block_size)
+        keys = [self.key("b", h) for h in plan.full(a)]
+        keys += [self.key("b", plan.partial(a, p))] if p else []
+        keys.append(self.key("t", self.digest(plan, n)))
+        if hit.vision_embeddings is not None and vision_key is not None:
+            keys.append(vision_key)
+        try:
+            layers = copy.deepcopy(hit.prompt_cache)
+            stored = require_extras or bool(hit.extras) or pr.has_checkpoint(pr.layout(layers))
+            entry = make_entry(
+                n, layers, hit.extras, stored=stored, vision=hit.vision_embeddings, keys=keys
+            )
+        except Exception as e:  # a class that does not copy: served from the backend only
+            log.warning("prefix cache: not keeping a hit in the hot tier: %s", e)
+            return
+        self.put(self.digest(plan, n), entry)
