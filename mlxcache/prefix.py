@@ -328,8 +328,12 @@ class PrefixCache:
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
         hot = self._hot.find(plan, require_extras) if self._hot is not None else None
-        if hot is not None and self._beyond(plan, hot.num_tokens) == hot.num_tokens:
-            return self._counted(len(tokens), self._hot_serve(hot))  # nothing longer: no read
+        need_vision = hot is not None and bool(plan.digests) and hot.vision is None
+        if hot is not None and self._beyond(plan, hot.num_tokens, need_vision) == (
+            hot.num_tokens,
+            False,
+        ):  # nothing longer in the backend (nor vision embeddings the entry lacks): no read
+            return self._counted(len(tokens), self._hot_serve(hot))
         keys = self._probe_keys(plan)
         found = self.backend.contains_many(keys) if keys else []
         match = self._match(plan, found)
@@ -498,27 +502,32 @@ class PrefixCache:
         """
         plan = self._plan(_tokens(token_ids), list(images), image_positions)
         hot = self._hot.find(plan, False) if self._hot is not None else None
-        return self._beyond(plan, max(have, hot.num_tokens if hot else 0))
+        return self._beyond(plan, max(have, hot.num_tokens if hot else 0))[0]
 
-    def _longest(self, plan: _Plan) -> int:
+    def _probe(self, plan: _Plan) -> _Match:
         keys = self._probe_keys(plan)
-        match = self._match(plan, self.backend.contains_many(keys) if keys else [])
-        return match.k * self.block_size + match.pm  # a backend hit never ends past this
+        return self._match(plan, self.backend.contains_many(keys) if keys else [])
 
-    def _beyond(self, plan: _Plan, n: int) -> int:
-        """``_longest`` when the backend may hold more than ``n`` tokens of the request, else n.
+    def _beyond(self, plan: _Plan, n: int, vision: bool = False) -> tuple[int, bool]:
+        """How long a backend hit could be, given ``n`` tokens at hand (``n`` when nothing is
+        longer), and (with ``vision``) whether the request's vision entry is stored.
 
         When ``n`` lies in the request's last partial block, only a stored length past ``n``
-        can: the tails at those lengths are the one question (none when ``n`` is the whole
-        request), and the full probe follows only when one exists.
+        can be longer: the tails at those lengths (and the vision key) are the one question
+        (none when ``n`` is the whole request); the full probe follows only when one exists.
         """
-        n_full, r = divmod(len(plan.tokens), self.block_size)
-        a, p = divmod(n, self.block_size)
+        bs = self.block_size
+        n_full, r = divmod(len(plan.tokens), bs)
+        a, p = divmod(n, bs)
+        vkey = self._vision_key(plan) if vision else None
         if a >= n_full:
             keys = [self._key("t", plan.partial(a, q)) for q in range(p + 1, r + 1)]
-            if not keys or not any(self.backend.contains_many(keys)):
-                return n
-        return max(n, self._longest(plan))
+            keys += [vkey] if vkey else []
+            found = self.backend.contains_many(keys) if keys else []
+            if not any(found[: r - p]):
+                return n, bool(vkey) and bool(found) and found[-1]
+        match = self._probe(plan)  # a hit never ends past k blocks and pm tokens
+        return max(n, match.k * bs + match.pm), bool(vkey) and match.vision
 
     # ------------------------------------------------------------ the hot tier
 

@@ -111,12 +111,10 @@ class HotTier:
     def nbytes(self) -> int:
         return self._bytes
 
-    def longest(
-        self, n: int, digest: Callable[[int], bytes], *, stored: bool, vision: bool
-    ) -> HotEntry | None:
+    def longest(self, n: int, digest: Callable[[int], bytes], *, stored: bool) -> HotEntry | None:
         """The longest entry of at most ``n`` tokens whose key is ``digest(length)`` (a prefix
-        of the request); with ``stored`` one at a stored length, with ``vision`` one holding
-        vision embeddings. It becomes the most recently used."""
+        of the request); with ``stored`` one at a stored length. It becomes the most recently
+        used."""
         with self._lock:
             lengths = sorted((m for m in self._lengths if m <= n), reverse=True)
         for m in lengths:
@@ -125,7 +123,7 @@ class HotTier:
                 e = self._entries.get(d)
                 if e is None or e.num_tokens != m:
                     continue
-                if (e.stored or not stored) and (e.vision is not None or not vision):
+                if e.stored or not stored:
                     self._entries.move_to_end(d)
                     return e
         return None
@@ -208,9 +206,8 @@ class HotPrefixes(HotTier):
         """The longest entry that is a prefix of the request and can answer it."""
         if not len(plan.tokens):
             return None
-        n, vision = len(plan.tokens), bool(plan.digests)
         digest = functools.partial(self.digest, plan)
-        return self.longest(n, digest, stored=require_extras, vision=vision)
+        return self.longest(len(plan.tokens), digest, stored=require_extras)
 
     def keep_store(
         self, plan: Any, layers: list[Any], extras: Any, vision: Any, keys: Sequence[str]

@@ -187,7 +187,7 @@ def test_require_extras_and_images_use_only_entries_that_can_answer_them():
     pc = PrefixCache(backend, model="m", block_size=BS)
     assert pc.lookup(ids[:32] + [1]).num_tokens == 32  # kept hot
     backend.calls.clear()
-    hit = pc.lookup(ids, images=[b"cat"])  # the hot 32 tokens lack the image: read
+    hit = pc.lookup(ids, images=[b"cat"])  # the image keys other chains: nothing hot, a read
     assert hit.num_tokens == 40 and hit.extras["d"].item() == 7 and backend.calls["get_many"]
     backend.calls.clear()
     hit = pc.lookup(ids, images=[b"cat"], require_extras=True)  # now hot, with its extras
@@ -265,3 +265,22 @@ def test_hot_hits_touch_their_records_so_the_backend_keeps_them(monkeypatch):
     assert pc.lookup(ids).num_tokens == 40 and pc.flush(30)
     assert set(backend.touched) == set(backend.keys()) and len(backend.touched) == 4
     pc.close()
+
+
+def test_an_entry_without_vision_embeddings_answers_only_while_the_backend_has_none():
+    backend = counting()
+    ids = prompt(40)
+    pc = PrefixCache(backend, model="m", block_size=BS)
+    pc.store(ids, kv_cache(40), images=[b"cat"])  # no vision embeddings stored
+    backend.calls.clear()
+    hit = pc.lookup(ids, images=[b"cat"])  # one contains_many (the vision key), no read
+    assert hit.num_tokens == 40 and hit.vision_embeddings is None
+    assert backend.calls == {"contains_many": 1}
+    other = PrefixCache(backend, model="m", block_size=BS)  # another worker adds them
+    other.store(ids, kv_cache(40), images=[b"cat"], vision_embeddings=mx.full(4, 2.0))
+    hit = pc.lookup(ids, images=[b"cat"])  # now read, and kept hot with them
+    assert bits(hit.vision_embeddings) == bits(mx.full(4, 2.0))
+    backend.calls.clear()
+    hit = pc.lookup(ids + [3], images=[b"cat"])
+    assert hit.num_tokens == 40 and bits(hit.vision_embeddings) == bits(mx.full(4, 2.0))
+    assert backend.calls["get_many"] == 0
