@@ -109,7 +109,8 @@ class PrefixCache:
     isolates tenants. With ``image_token_id``, each image keys the block where its placeholder
     run starts, so text before an image is shared across images (see docs/prefix.md).
     ``hot_bytes`` bounds the in-process hot tier of assembled prefixes (0: none; see
-    ``prefix_hot.py``).
+    ``prefix_hot.py``); with ``hot_probe=False`` a hot entry answers without asking the backend
+    for a longer prefix (another worker's is then not used).
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class PrefixCache:
         salt: str = "",
         image_token_id: int | None = None,
         hot_bytes: int = DEFAULT_HOT_BYTES,
+        hot_probe: bool = True,
     ) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -139,6 +141,7 @@ class PrefixCache:
         self.writer: BackgroundWriter | None = None  # made by the first background store
         hot = HotPrefixes(hot_bytes, block_size, self._key)  # validates hot_bytes
         self._hot: HotPrefixes | None = hot if hot_bytes else None
+        self.hot_probe = bool(hot_probe)
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
              "stores", "tokens_written", "records_written", "rejected", "records_pinned",
@@ -329,9 +332,9 @@ class PrefixCache:
         plan = self._plan(tokens, list(images), image_positions)
         hot = self._hot.find(plan, require_extras) if self._hot is not None else None
         need_vision = hot is not None and bool(plan.digests) and hot.vision is None
-        if hot is not None and self._beyond(plan, hot.num_tokens, need_vision) == (
-            hot.num_tokens,
-            False,
+        if hot is not None and (
+            not self.hot_probe
+            or self._beyond(plan, hot.num_tokens, need_vision) == (hot.num_tokens, False)
         ):  # nothing longer in the backend (nor vision embeddings the entry lacks): no read
             return self._counted(len(tokens), self._hot_serve(hot))
         keys = self._probe_keys(plan)

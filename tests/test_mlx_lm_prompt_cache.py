@@ -282,3 +282,23 @@ def test_insert_returns_before_the_store_and_close_writes_it():
     other.close()
     with pytest.raises(ValueError):
         SharedPromptCache(backend="memory://", hot_bytes=-1)
+
+
+def test_hot_probe_false_asks_the_backend_only_when_the_hot_tier_has_nothing():
+    backend = _GatedBackend()
+    backend.gate.set()
+    a = SharedPromptCache(backend=backend, hot_probe=False)
+    b = SharedPromptCache(backend=backend)
+    turn1 = list(range(1, 60))
+    a.insert_cache(MODEL, turn1, kv(turn1))
+    turn2 = turn1 + list(range(100, 140))
+    b.insert_cache(MODEL, turn2, kv(turn2))  # another worker computed more
+    assert a.flush(60) and b.flush(60)
+    probes = backend.probes
+    cache, rest = a.fetch_nearest_cache(MODEL, turn2 + [7])
+    assert rest == turn2[len(turn1) :] + [7] and backend.probes == probes  # hot answer is final
+    fresh = SharedPromptCache(backend=backend, hot_probe=False)
+    cache, rest = fresh.fetch_nearest_cache(MODEL, turn2 + [7])  # nothing hot: the backend
+    assert rest == [7] and rows(cache) == [float(t) for t in turn2]
+    for c in (a, b, fresh):
+        c.close()

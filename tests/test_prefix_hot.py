@@ -284,3 +284,19 @@ def test_an_entry_without_vision_embeddings_answers_only_while_the_backend_has_n
     hit = pc.lookup(ids + [3], images=[b"cat"])
     assert hit.num_tokens == 40 and bits(hit.vision_embeddings) == bits(mx.full(4, 2.0))
     assert backend.calls["get_many"] == 0
+
+
+def test_hot_probe_false_answers_from_the_tier_without_asking_the_backend():
+    backend = counting()
+    ids = prompt(60)
+    pc = PrefixCache(backend, model="m", block_size=BS, hot_probe=False)
+    pc.store(ids[:20], kv_cache(20))
+    PrefixCache(backend, model="m", block_size=BS).store(ids[:50], kv_cache(50))
+    backend.calls.clear()
+    hit = pc.lookup(ids)  # the longer prefix another worker stored is not used
+    assert hit.num_tokens == 20 and state_bits(hit.prompt_cache) == state_bits(kv_cache(20))
+    assert not backend.calls
+    assert pc.lookup(prompt(30, seed=9)) is None and backend.calls["get_many"] == 0  # a miss
+    # with nothing hot the backend answers as usual (and that hit is kept)
+    fresh = PrefixCache(backend, model="m", block_size=BS, hot_probe=False)
+    assert fresh.lookup(ids).num_tokens == 50

@@ -86,7 +86,10 @@ class SharedPromptCache(LRUPromptCache):
     request's store; ``background=False`` stores before ``insert_cache`` returns); callbacks
     of ``after_next_insert`` run when the store is done, and ``flush()`` waits for all of them.
     ``hot_bytes`` is the ``PrefixCache`` hot tier of each model (default 0: mlx-lm's LRU is
-    the hot tier, and ``max_bytes`` stays the whole in-process budget).
+    the hot tier, and ``max_bytes`` stays the whole in-process budget). With
+    ``hot_probe=False`` a hot answer is final (the backend is asked only when the hot tier has
+    nothing, e.g. after a restart), as in mlx-lm: no round trip, but a longer prefix another
+    worker stored is not used.
     """
 
     def __init__(
@@ -102,12 +105,13 @@ class SharedPromptCache(LRUPromptCache):
         background: bool = True,
         max_pending: int = 2,
         hot_bytes: int = 0,
+        hot_probe: bool = True,
     ) -> None:
         if isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0:
             raise ValueError(f"hot_bytes must be an int >= 0, got {hot_bytes!r}")
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.identity, self.block_size, self.salt = identity, block_size, salt
-        self.hot_bytes = hot_bytes
+        self.hot_bytes, self.hot_probe = hot_bytes, bool(hot_probe)
         self.backend: CacheBackend | None = None
         self._owns_backend = False
         if persist:
@@ -147,6 +151,7 @@ class SharedPromptCache(LRUPromptCache):
                 block_size=self.block_size,
                 salt=self.salt,
                 hot_bytes=self.hot_bytes,
+                hot_probe=self.hot_probe,
             )
             self._prefix[name] = pc
         return pc
@@ -169,7 +174,8 @@ class SharedPromptCache(LRUPromptCache):
             self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
         hot = len(tokens) - len(rest) if cache is not None else 0
-        hit = self._lookup(model, tokens, hot) if hot < len(tokens) - 1 else None
+        ask = hot < len(tokens) - 1 and (self.hot_probe or cache is None)
+        hit = self._lookup(model, tokens, hot) if ask else None
         if hit is not None:
             self._count(backend_hits=1, tokens_backend=hit.num_tokens)
             return hit.prompt_cache, tokens[hit.num_tokens :]
