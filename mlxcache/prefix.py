@@ -290,7 +290,9 @@ class PrefixCache:
         for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if rec is not None:
                 todo.append((key, rec, 0))
-        if self._hot is not None and n:
+        if self._hot is not None and n and self.kv_quant is None:
+            # quantized: only what a backend hit gives (dequantized) goes hot, so a prefix
+            # decodes the same whether it comes from the hot tier or the backend
             self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:
             written = self._write(todo, sibling)
