@@ -1,4 +1,4 @@
-"""Record files -> Records: each 1 MiB piece read into its array and hashed while in cache.
+"""Record files -> Records: each 256 KiB piece read into its array and hashed while in cache.
 
 A format-2 file is read in one pass: ``mx.load`` of a stand-in file (tensor table only, no
 bytes) allocates the arrays from MLX's buffer cache without filling them, then a pool of
@@ -9,9 +9,12 @@ right away (xxh3-128, or BLAKE3 with a secret), on every core. Format-1 files ar
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import struct
+import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -141,11 +144,28 @@ class _Blank:
         return len(view)
 
 
+# Stand-ins MLX still holds. Its I/O threads drop them a moment after a load returns, and a
+# thread that needs the GIL once the interpreter is finalizing aborts the whole process
+# ("terminate called without an active exception"), so exit waits for them first.
+_held: weakref.WeakSet[_Blank] = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_for_stand_ins(timeout: float = 2.0) -> None:
+    """Let MLX's I/O threads release every stand-in while they may still take the GIL."""
+    deadline = time.monotonic() + timeout
+    while len(_held) and time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
 def _blank_arrays(tensors: Sequence[st.TensorInfo]) -> list[mx.array]:
     """Evaluated, unfilled arrays of these dtypes and shapes (no pass over their memory)."""
     if not tensors:
         return []
-    loaded = mx.load(_Blank(tensors), format="safetensors")
+    blank = _Blank(tensors)
+    _held.add(blank)
+    loaded = mx.load(blank, format="safetensors")
+    del blank  # ours goes now; MLX's references go on its I/O threads
     out = [loaded[str(i)] for i in range(len(tensors))]
     mx.eval(out)
     return out
