@@ -14,7 +14,8 @@ from redis.exceptions import NoScriptError, RedisError
 
 from mlxcache import format as st
 from mlxcache.backends.base import log
-from mlxcache.backends.redis_chunks import complete_chunks, is_manifest, parse_manifest
+from mlxcache.backends.redis_chunks import MAX_MANIFEST_BYTES, is_manifest, parse_manifest
+from mlxcache.backends.redis_stream import FIRST_READ, Source, Vanished, decode
 from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
 from mlxcache.record import Record
 
@@ -22,8 +23,8 @@ HEADER_PROBE = 64 * 1024  # bytes read first for a header; a larger one costs on
 _FAILURES = (RedisError, OSError)
 
 # What a read found for one key: nothing, a whole value, the chunks of a large one (decoded
-# without joining them), or the reason a chunked value is unreadable.
-Value = bytes | list[bytes] | FormatError | None
+# without joining them), where to stream a large one from, or why a chunked value is unreadable.
+Value = bytes | list[bytes] | Source | FormatError | None
 
 
 class ReadMixin:
@@ -69,57 +70,129 @@ class ReadMixin:
         return values
 
     def _fetch_node(self, client: redis.Redis, items: list[tuple[str, int]]) -> list[Value]:
-        """GET + LRU refresh of keys on one node in one round trip; chunks in one more."""
+        """LRU refresh, first bytes and size of keys on one node in one round trip (see _settle)."""
         pipe = client.pipeline(transaction=False)
+        first = max(FIRST_READ, MAX_MANIFEST_BYTES)  # a manifest is always read whole
         for k, g in items:  # the touch first: it drops a key whose lifetime is over
             vkey = self.layout.vkey(k, g)
             self._eval(pipe, "touch", g, [*self.layout.index[g], vkey], [k, 1])
-            pipe.get(vkey)
+            pipe.getrange(vkey, 0, first - 1)
+            pipe.strlen(vkey)
         replies = pipe.execute(raise_on_error=False)
-        values: list[Value] = replies[1::2]
-        for r in values:
+        for r in replies[1::3] + replies[2::3]:
             if isinstance(r, Exception):
                 raise r
-        if any(isinstance(r, NoScriptError) for r in replies[0::2]):
+        if any(isinstance(r, NoScriptError) for r in replies[0::3]):
             self._load_scripts(client)  # only the LRU refresh was lost; next time it works
-        manifests = [i for i, v in enumerate(values) if v is not None and is_manifest(v)]
-        if manifests:
-            parsed = [parse_manifest(values[i]) for i in manifests]
-            pipe = client.pipeline(transaction=False)
-            for i, m in zip(manifests, parsed, strict=True):
-                if m:
-                    pipe.mget(self._chunk_keys(items[i][1], m))  # one slot: fine on a cluster
-                else:
-                    pipe.echo(b"")  # keeps replies aligned; _decode reports the bad manifest
-            for i, m, chunks in zip(manifests, parsed, pipe.execute(), strict=True):
-                if m:
-                    seen, values[i] = values[i], complete_chunks(m, chunks)
-                    if values[i] is None:  # replaced under us, or chunks lost: read it again
-                        values[i] = self._read_again(client, *items[i], seen)
+        found = [r == 1 for r in replies[0::3]]
+        return self._settle(client, items, replies[1::3], replies[2::3], found)
+
+    def _settle(
+        self,
+        client: redis.Redis,
+        items: list[tuple[str, int]],
+        heads: list[bytes],
+        sizes: list[int],
+        found: list[bool] | None = None,
+    ) -> list[Value]:
+        """Values from the first ``FIRST_READ`` bytes and the size of each key on one node.
+
+        A value that fits is returned whole; a larger one is a :class:`Source` streamed by
+        :meth:`_decode`; chunk manifests cost one more round trip (their chunks' sizes and
+        first bytes). ``found`` (the touch script's replies) tells an empty value from none.
+        """
+        values: list[Value] = []
+        for n, ((k, g), head, size) in enumerate(zip(items, heads, sizes, strict=True)):
+            if not size:
+                values.append(b"" if found and found[n] else None)  # b"": unreadable, dropped
+            elif size <= len(head):
+                values.append(head)
+            else:
+                values.append(Source(client, [self.layout.vkey(k, g)], [size], head, head))
+        manifests = [i for i, v in enumerate(values) if isinstance(v, bytes) and is_manifest(v)]
+        if not manifests:
+            return values
+        parsed = [parse_manifest(values[i]) for i in manifests]
+        pipe = client.pipeline(transaction=False)
+        for i, m in zip(manifests, parsed, strict=True):
+            if m:  # one slot: fine on a cluster
+                chunks = self._chunk_keys(items[i][1], m)
+                for c in chunks:
+                    pipe.strlen(c)
+                pipe.getrange(chunks[0], 0, FIRST_READ - 1)
+        replies = iter(pipe.execute())
+        for i, m in zip(manifests, parsed, strict=True):
+            if m:  # else _decode reports the bad manifest
+                got = [next(replies) for _ in range(m["n"] + 1)]
+                seen = values[i]
+                values[i] = self._chunked(client, items[i][1], m, got, seen)  # type: ignore[arg-type]
+                if values[i] is None:  # replaced under us, or chunks lost: read it again
+                    values[i] = self._read_again(client, *items[i], seen)  # type: ignore[arg-type]
         return values
 
     def _chunk_keys(self, g: int, m: dict[str, Any]) -> list[str]:
         return [self.layout.ckey(g, m["gen"], i) for i in range(m["n"])]
 
+    def _chunked(
+        self, client: redis.Redis, g: int, m: dict[str, Any], got: list, manifest: bytes
+    ) -> Source | None:
+        """The Source of a manifest's chunks (``got``: their sizes, then the first bytes), or
+        None if one is missing or they do not add up to its size."""
+        sizes, head = got[:-1], got[-1]
+        if not all(isinstance(n, int) and n > 0 for n in sizes) or sum(sizes) != m["size"]:
+            return None
+        return Source(client, self._chunk_keys(g, m), sizes, head, manifest)
+
     def _read_again(self, client: redis.Redis, key: str, g: int, seen: bytes) -> Value:
         """Read a chunked value once more; the same manifest with chunks still missing is lost."""
-        value = client.get(self.layout.vkey(key, g))
-        if value is None or not is_manifest(value):
-            return value
-        m = parse_manifest(value)
+        vkey = self.layout.vkey(key, g)
+        pipe = client.pipeline(transaction=False)
+        pipe.getrange(vkey, 0, max(FIRST_READ, MAX_MANIFEST_BYTES) - 1)
+        pipe.strlen(vkey)
+        head, size = pipe.execute()
+        if not size or size > len(head) or not is_manifest(head):
+            return self._settle(client, [(key, g)], [head], [size])[0]
+        m = parse_manifest(head)
         if m is None:
-            return value  # let _decode report it
-        chunks = complete_chunks(m, client.mget(self._chunk_keys(g, m)))
-        if chunks is None and value == seen:  # evicted by Redis' maxmemory, deleted by hand...
+            return head  # let _decode report it
+        chunks = self._chunk_keys(g, m)
+        pipe = client.pipeline(transaction=False)
+        for c in chunks:
+            pipe.strlen(c)
+        pipe.getrange(chunks[0], 0, FIRST_READ - 1)
+        value = self._chunked(client, g, m, pipe.execute(), head)
+        if value is None and head == seen:  # evicted by Redis' maxmemory, deleted by hand...
             return FormatError("chunks of a large value are missing")
-        return chunks
+        return value
 
-    def _decode(self, key: str, value: Value) -> Record | None:
+    def _stream(self, key: str, src: Source, again: bool = True) -> Record | None:
+        """Decode a streamed value; one that fails is read once more, and a changed one (replaced
+        or deleted mid-read, chunks evicted) is decoded afresh rather than dropped as corrupt."""
+        try:
+            return decode(src, key=key, signer=self.signer)
+        except (Vanished, FormatError) as exc:
+            if isinstance(exc, UnsupportedVersionError):
+                raise
+            now = self._fetch([key])[0] if again else None
+            if isinstance(now, Source) and (now.seen, now.sizes) == (src.seen, src.sizes):
+                if isinstance(exc, FormatError):
+                    raise  # the same bytes: really corrupt (or forged)
+                now = None  # short, then the same again: changed twice, just a miss
+            if now is None or not again:
+                log.debug("redis cache: %r changed while read: %s", key, exc)
+                return None
+            return self._decode(key, now, again=False)
+
+    def _decode(self, key: str, value: Value, again: bool = True) -> Record | None:
+        """The record of a fetched value (see ``Value``), or None (a miss) if unreadable; an
+        unreadable or forged value is counted, logged and deleted."""
         if value is None:
             return None
         try:
             if isinstance(value, FormatError):
                 raise value
+            if isinstance(value, Source):  # too large to have been read whole
+                return self._stream(key, value, again)
             if isinstance(value, list):  # chunks: freed one by one as they are decoded
                 return st.from_buffers(value, consume=True, key=key, signer=self.signer)
             return st.from_bytes(value, key=key, signer=self.signer)
