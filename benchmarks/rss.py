@@ -77,6 +77,8 @@ def child(op: str, target: str, tokens: int, uri: str, path: str) -> dict[str, A
         backend.put(key, Record(arrays=arrays))  # the store holds its own reference
         arrays = None
     record = Record(arrays=arrays) if arrays else None
+    if sends is not None:
+        _ = key in backend  # connects (and loads scripts) first: count only the operation
     gc.collect()
     mx.clear_cache()
     before = _reset_peak()
@@ -88,11 +90,11 @@ def child(op: str, target: str, tokens: int, uri: str, path: str) -> dict[str, A
             evaluate(result)
             nbytes = sum(a.nbytes for a in result.values())
     elif op == "put":
-        if sends:
+        if sends is not None:
             sends.clear()
         backend.put(key, record)
     else:
-        if sends:
+        if sends is not None:
             sends.clear()
         result = backend.get(key)
         if result is None:

@@ -11,6 +11,7 @@ import redis
 from helpers import assert_same, blob_record, sample_record
 from redis._parsers import _RESP2Parser
 
+import mlxcache
 from mlxcache import Record
 from mlxcache import format as st
 from mlxcache.backends import redis_reads, redis_stream
@@ -210,3 +211,22 @@ def test_empty_value_is_unreadable_and_dropped(redis_url):
     b.put("k", Record({"x": mx.zeros((3,))}, {}))
     raw(redis_url).set("mlxcache:{0}v:k", b"")
     assert b.get("k") is None and b.stats()["errors"] == 1 and "k" not in b
+
+
+def test_streams_over_tls(monkeypatch):
+    """rediss://: the slices come through the TLS socket like any reply (a signed record)."""
+    from tls_redis import TLSRedis
+
+    monkeypatch.setenv("MLXCACHE_SECRET", "tls-stream-secret-0123456789")
+    server = TLSRedis()
+    try:
+        streamed = during_stream(monkeypatch, -1, lambda: None)
+        rec = blob_record(3 * 2**20 + 11, 12)
+        for uri in (server.uri(), server.uri() + "&chunk_size=1MiB"):
+            with mlxcache.open_backend(uri) as b:
+                b.put("tls", rec)
+                assert_same(rec, b.get("tls"))
+                assert b.stats()["errors"] == 0
+        assert streamed[0] >= 4
+    finally:
+        server.close()

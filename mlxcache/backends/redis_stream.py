@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import redis
+from redis._parsers import _HiredisParser
+from redis.connection import DefaultParser
 
 from mlxcache import format as st
 from mlxcache.digests import verify
@@ -24,7 +26,7 @@ from mlxcache.record import Record
 from mlxcache.signing import Signer
 
 SLICE = 1 << 20  # bytes per GETRANGE: the reply and the parser's buffer are all we hold
-WINDOW = 16  # GETRANGEs in flight on the connection (16 MiB): the link never idles
+WINDOW = 16  # GETRANGEs in flight (16 MiB) with hiredis: the link never idles
 FIRST_READ = SLICE  # bytes of every value read in the first round trip (smaller: whole)
 
 # the dtype an array is allocated in (and viewed as its real dtype once filled), see format.py
@@ -77,13 +79,14 @@ def slices(src: Source, start: int, stop: int) -> Iterator[bytes]:
     if not todo:
         return
     pool = src.client.connection_pool
+    window = WINDOW if _hiredis(pool) else 1
     conn = pool.get_connection()
     sent = got = 0
     clean = False
     try:
         while got < len(todo):
-            if sent - got <= WINDOW // 2 and sent < len(todo):  # refill: replies keep coming
-                batch = todo[sent : got + WINDOW]
+            if sent - got <= window // 2 and sent < len(todo):  # refill: replies keep coming
+                batch = todo[sent : got + window]
                 cmds = [("GETRANGE", src.keys[i], lo, hi - 1) for i, lo, hi in batch]
                 conn.send_packed_command(conn.pack_commands(cmds))
                 sent += len(batch)
@@ -102,6 +105,14 @@ def slices(src: Source, start: int, stop: int) -> Iterator[bytes]:
         if not clean:
             conn.disconnect()
         pool.release(conn)
+
+
+def _hiredis(pool: redis.ConnectionPool) -> bool:
+    """Whether replies are parsed by hiredis. redis-py's own parser frees its buffer only once
+    it has read all it received: with replies in flight it would grow to the whole value, so
+    it gets one slice at a time (one round trip per slice)."""
+    parser = pool.connection_kwargs.get("parser_class") or DefaultParser
+    return isinstance(parser, type) and issubclass(parser, _HiredisParser)
 
 
 class _Filler:
