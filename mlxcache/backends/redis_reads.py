@@ -1,8 +1,9 @@
 """The read path of the Redis backend: pipelined gets, chunked values, headers, decoding.
 
 ``ReadMixin`` is the half of :class:`mlxcache.backends.redis.RedisBackend` that fetches and
-decodes records (one pipeline per node, chunks decoded without joining, a value that does not
-verify dropped); the backend module keeps writes, the index scripts and the protocol.
+decodes records (one pipeline per node, a value over ``FIRST_READ`` streamed into its arrays by
+:mod:`mlxcache.backends.redis_stream`, a value that does not verify dropped); the backend module
+keeps writes, the index scripts and the protocol.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mlxcache.record import Record
 
 HEADER_PROBE = 64 * 1024  # bytes read first for a header; a larger one costs one more read
 _FAILURES = (RedisError, OSError)
+RETRIES = 3  # reads of a value that keeps changing while it streams, before it is a miss
 
 # What a read found for one key: nothing, a whole value, the chunks of a large one (decoded
 # without joining them), where to stream a large one from, or why a chunked value is unreadable.
@@ -56,9 +58,14 @@ class ReadMixin:
         return st.parse_header(head, total_size=m["size"])
 
     def _get_many(self, keys: list[str]) -> list[Record | None]:
-        """Fetch many records: one pipelined round trip per node (plus one for chunked values)."""
-        blobs = self._fetch(keys)
-        return [self._decode(k, b) for k, b in zip(keys, blobs, strict=True)]
+        """Fetch many records: one pipelined round trip per node (plus one for chunked values),
+        then a stream per value over ``FIRST_READ``; each value is let go once decoded."""
+        values = self._fetch(keys)
+        out: list[Record | None] = []
+        for i, k in enumerate(keys):
+            value, values[i] = values[i], None
+            out.append(self._decode(k, value))
+        return out
 
     def _fetch(self, keys: list[str]) -> list[Value]:
         groups = [self.layout.group(k) for k in keys]
@@ -108,22 +115,21 @@ class ReadMixin:
             elif size <= len(head):
                 values.append(head)
             else:
-                values.append(Source(client, [self.layout.vkey(k, g)], [size], head, head))
+                vkey = self.layout.vkey(k, g)
+                values.append(Source(client, [vkey], [size], head, head, watch=True))
         manifests = [i for i, v in enumerate(values) if isinstance(v, bytes) and is_manifest(v)]
         if not manifests:
             return values
         parsed = [parse_manifest(values[i]) for i in manifests]
         pipe = client.pipeline(transaction=False)
-        for i, m in zip(manifests, parsed, strict=True):
-            if m:  # one slot: fine on a cluster
-                chunks = self._chunk_keys(items[i][1], m)
-                for c in chunks:
-                    pipe.strlen(c)
-                pipe.getrange(chunks[0], 0, FIRST_READ - 1)
+        counts = [
+            self._ask_chunks(pipe, items[i][1], m) if m else 0
+            for i, m in zip(manifests, parsed, strict=True)
+        ]
         replies = iter(pipe.execute())
-        for i, m in zip(manifests, parsed, strict=True):
+        for i, m, n in zip(manifests, parsed, counts, strict=True):
             if m:  # else _decode reports the bad manifest
-                got = [next(replies) for _ in range(m["n"] + 1)]
+                got = [next(replies) for _ in range(n)]
                 seen = values[i]
                 values[i] = self._chunked(client, items[i][1], m, got, seen)  # type: ignore[arg-type]
                 if values[i] is None:  # replaced under us, or chunks lost: read it again
@@ -133,11 +139,29 @@ class ReadMixin:
     def _chunk_keys(self, g: int, m: dict[str, Any]) -> list[str]:
         return [self.layout.ckey(g, m["gen"], i) for i in range(m["n"])]
 
+    def _ask_chunks(self, pipe: Any, g: int, m: dict[str, Any]) -> int:
+        """Queue what reading a manifest's chunks needs (one slot: fine on a cluster); returns
+        the number of replies. Up to ``FIRST_READ`` bytes in all: the chunks themselves; more:
+        the size of each and the first bytes, to stream the rest."""
+        chunks = self._chunk_keys(g, m)
+        if m["size"] <= FIRST_READ:
+            pipe.mget(chunks)
+            return 1
+        for c in chunks:
+            pipe.strlen(c)
+        pipe.getrange(chunks[0], 0, FIRST_READ - 1)
+        return len(chunks) + 1
+
     def _chunked(
         self, client: redis.Redis, g: int, m: dict[str, Any], got: list, manifest: bytes
-    ) -> Source | None:
-        """The Source of a manifest's chunks (``got``: their sizes, then the first bytes), or
-        None if one is missing or they do not add up to its size."""
+    ) -> Value:
+        """The chunks (small) or the Source (large) of a manifest from the replies to
+        :meth:`_ask_chunks`; None if one is missing or they do not add up to its size."""
+        if m["size"] <= FIRST_READ:
+            chunks = got[0]
+            if not all(isinstance(c, bytes) for c in chunks) or sum(map(len, chunks)) != m["size"]:
+                return None
+            return chunks
         sizes, head = got[:-1], got[-1]
         if not all(isinstance(n, int) and n > 0 for n in sizes) or sum(sizes) != m["size"]:
             return None
@@ -155,35 +179,32 @@ class ReadMixin:
         m = parse_manifest(head)
         if m is None:
             return head  # let _decode report it
-        chunks = self._chunk_keys(g, m)
         pipe = client.pipeline(transaction=False)
-        for c in chunks:
-            pipe.strlen(c)
-        pipe.getrange(chunks[0], 0, FIRST_READ - 1)
+        self._ask_chunks(pipe, g, m)
         value = self._chunked(client, g, m, pipe.execute(), head)
         if value is None and head == seen:  # evicted by Redis' maxmemory, deleted by hand...
             return FormatError("chunks of a large value are missing")
         return value
 
-    def _stream(self, key: str, src: Source, again: bool = True) -> Record | None:
-        """Decode a streamed value; one that fails is read once more, and a changed one (replaced
-        or deleted mid-read, chunks evicted) is decoded afresh rather than dropped as corrupt."""
+    def _stream(self, key: str, src: Source, again: int = RETRIES) -> Record | None:
+        """Decode a streamed value. One that fails is looked at again: a value changed mid-read
+        (replaced, deleted, chunks evicted) is read afresh, up to ``again`` times; the same
+        bytes failing again are corrupt (dropped by ``_decode``)."""
         try:
             return decode(src, key=key, signer=self.signer)
         except (Vanished, FormatError) as exc:
             if isinstance(exc, UnsupportedVersionError):
                 raise
-            now = self._fetch([key])[0] if again else None
-            if isinstance(now, Source) and (now.seen, now.sizes) == (src.seen, src.sizes):
-                if isinstance(exc, FormatError):
-                    raise  # the same bytes: really corrupt (or forged)
-                now = None  # short, then the same again: changed twice, just a miss
-            if now is None or not again:
+            now = self._fetch([key])[0] if again > 0 else None
+            same = isinstance(now, Source) and (now.seen, now.sizes) == (src.seen, src.sizes)
+            if same and isinstance(exc, FormatError):
+                raise  # read whole and unchanged (WATCH held), still wrong: corrupt or forged
+            if now is None:
                 log.debug("redis cache: %r changed while read: %s", key, exc)
                 return None
-            return self._decode(key, now, again=False)
+            return self._decode(key, now, again - 1)
 
-    def _decode(self, key: str, value: Value, again: bool = True) -> Record | None:
+    def _decode(self, key: str, value: Value, again: int = RETRIES) -> Record | None:
         """The record of a fetched value (see ``Value``), or None (a miss) if unreadable; an
         unreadable or forged value is counted, logged and deleted."""
         if value is None:

@@ -51,6 +51,7 @@ class Source:
     sizes: list[int]
     head: bytes
     seen: bytes
+    watch: bool = False  # one value key, which a writer can SET in place (chunks: never)
 
     @property
     def size(self) -> int:
@@ -69,13 +70,24 @@ def ranges(sizes: list[int], start: int, stop: int, step: int) -> Iterator[tuple
         base += n
 
 
-def slices(src: Source, start: int, stop: int) -> Iterator[bytes]:
+def slices(src: Source, start: int, stop: int, guard: bytes = b"") -> Iterator[bytes]:
     """Blob bytes [start, stop) as pipelined GETRANGE replies, at most ``WINDOW`` in flight.
 
-    One pooled connection is taken on the first ``next()``; a consumer that stops early (or an
+    With a ``guard`` (the header bytes read before) the value key is WATCHed first and its
+    header read again, and a MULTI/EXEC follows the last slice: a value rewritten before or
+    during the read (even with the same size, or back to what it was) raises Vanished. One
+    pooled connection is taken on the first ``next()``; a consumer that stops early (or an
     error) leaves replies unread, so the connection is then closed rather than pooled.
     """
-    todo = list(ranges(src.sizes, start, stop, SLICE))
+    todo: list[tuple[tuple, int]] = []  # (command, bytes expected: -1 none, -2 EXEC)
+    if guard:
+        todo += [(("WATCH", src.keys[0]), -1), (("GETRANGE", src.keys[0], 0, len(guard) - 1), -1)]
+    todo += [
+        (("GETRANGE", src.keys[i], lo, hi - 1), hi - lo)
+        for i, lo, hi in ranges(src.sizes, start, stop, SLICE)
+    ]
+    if guard:
+        todo += [(("MULTI",), -1), (("EXEC",), -2)]
     if not todo:
         return
     pool = src.client.connection_pool
@@ -87,18 +99,22 @@ def slices(src: Source, start: int, stop: int) -> Iterator[bytes]:
         while got < len(todo):
             if sent - got <= window // 2 and sent < len(todo):  # refill: replies keep coming
                 batch = todo[sent : got + window]
-                cmds = [("GETRANGE", src.keys[i], lo, hi - 1) for i, lo, hi in batch]
-                conn.send_packed_command(conn.pack_commands(cmds))
+                conn.send_packed_command(conn.pack_commands([c for c, _ in batch]))
                 sent += len(batch)
             try:
                 reply = conn.read_response()
             except redis.ResponseError as exc:  # e.g. the key now holds another type
                 raise Vanished(f"reading a slice: {exc}") from None
-            i, lo, hi = todo[got]
+            cmd, expect = todo[got]
             got += 1
-            if not isinstance(reply, bytes) or len(reply) != hi - lo:
-                raise Vanished(f"{src.keys[i]!r} has fewer bytes than its size")
-            yield reply
+            if expect >= 0:
+                if not isinstance(reply, bytes) or len(reply) != expect:
+                    raise Vanished(f"{cmd[1]!r} has fewer bytes than its size")
+                yield reply
+            elif cmd[0] == "GETRANGE" and reply != guard:
+                raise Vanished("the value was replaced before it was read")
+            elif expect == -2 and reply is None:
+                raise Vanished("the value was written while it was read")
             del reply  # only the slice being copied is held while the next one arrives
         clean = True
     finally:
@@ -181,7 +197,8 @@ def decode(src: Source, *, key: str, signer: Signer | None) -> Record:
             yield from fill.views
             return
         yield from fill.write(memoryview(head)[base:])
-        for piece in slices(src, max(len(head), base), src.size):
+        guard = head[:base] if src.watch else b""  # one key, rewritable: watch it
+        for piece in slices(src, max(len(head), base), src.size, guard):
             yield from fill.write(memoryview(piece))
             del piece
         if not fill.full:
