@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 import redis
@@ -92,7 +93,7 @@ def slices(src: Source, start: int, stop: int, guard: bytes = b"") -> Iterator[b
         return
     pool = src.client.connection_pool
     window = WINDOW if _hiredis(pool) else 1
-    conn = pool.get_connection()
+    conn = _connection(pool)
     sent = got = 0
     clean = False
     try:
@@ -121,6 +122,14 @@ def slices(src: Source, start: int, stop: int, guard: bytes = b"") -> Iterator[b
         if not clean:
             conn.disconnect()
         pool.release(conn)
+
+
+def _connection(pool: redis.ConnectionPool) -> Any:
+    """A pooled connection (redis-py < 5.3 needs a command name, >= 5.3 warns about one)."""
+    try:
+        return pool.get_connection()
+    except TypeError:
+        return pool.get_connection("GETRANGE")
 
 
 def _hiredis(pool: redis.ConnectionPool) -> bool:
