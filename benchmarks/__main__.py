@@ -19,7 +19,10 @@ from benchmarks import redis_server, report
 from benchmarks.common import Row, machine_info
 from benchmarks.throughput import Context
 
-SECTIONS = ("throughput", "lookup", "ttft", "rss", "server", "signed", "scale", "peers", "growth")
+SECTIONS = (
+    "throughput", "durability", "lookup", "ttft", "rss", "server", "signed", "scale", "peers",
+    "growth", "quant",
+)  # fmt: skip
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
 VLLM_MLX_NOTE = (
@@ -68,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup-blocks-disk",
         type=int,
         default=None,
-        help="blocks stored for the file:// prefix lookup (default 2000: each put fsyncs)",
+        help="blocks stored for the file:// prefix lookup (default 100000, by put_many batches)",
     )
     p.add_argument("--prompt-lengths", type=_ints, default=None, help="TTFT prompt lengths")
     p.add_argument(
@@ -99,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip restore points whose KV is larger than this (default 2)",
     )
     p.add_argument(
+        "--quant-lengths",
+        type=_ints,
+        default=None,
+        help="prompt lengths of the quantized-KV rows (default 1024,4096)",
+    )
+    p.add_argument(
         "--doc",
         default=None,
         help=f"markdown file whose generated section is rewritten (default {DEFAULT_DOC} for a "
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ([32, 64] if smoke else [512, 4096, 16384])
     repeat = args.repeat or (2 if smoke else 5)
     lookup_blocks = args.lookup_blocks or (2000 if smoke else 100_000)
-    lookup_disk = args.lookup_blocks_disk or (100 if smoke else 2000)
+    lookup_disk = args.lookup_blocks_disk or (100 if smoke else 100_000)
     prompt_lengths = args.prompt_lengths or ([32, 64] if smoke else [128, 512, 2048])
     rss_sizes = sizes[:1] if smoke else sizes
     # prompt lengths that are not multiples of APC's 16-token blocks, plus one that is (256)
@@ -128,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         [64, 128] if smoke else [1024, 2048, 4096, 8192, 16384, 32768]
     )
     restore_max_gb = args.restore_max_gb or (0.1 if smoke else 2.0)
+    quant_lengths = args.quant_lengths or ([64] if smoke else [1024, 4096])
     scale_sizes = sizes[:1] if smoke else [n for n in (512, 4096) if n in sizes] or sizes[:2]
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))
@@ -150,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import throughput
 
                 out += throughput.run(sizes, ctx)
+            elif section == "durability":
+                from benchmarks import durability
+
+                out += durability.run(ctx)
             elif section == "lookup":
                 from benchmarks import prefix_lookup
 
@@ -182,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import signed
 
                 out += signed.run(sizes[-1:], ctx)
+            elif section == "quant":
+                from benchmarks import quant
+
+                out += quant.run(quant_lengths, ctx)
             elif section == "scale":
                 from benchmarks import scale
 
@@ -218,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "restore_lengths": restore_lengths,
         "restore_max_gb": restore_max_gb,
         "scale_sizes": scale_sizes,
+        "quant_lengths": quant_lengths,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

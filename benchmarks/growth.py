@@ -2,8 +2,9 @@
 
 1. ``PrefixCache.lookup`` (hit of a 512-token prompt in 32 blocks of 16, and a miss) while the
    store grows through 1k / 10k / 100k / 1M tiny blocks, on ``memory://``, ``file://`` and
-   ``redis://``. Each backend is filled with its own ``put`` (``file://`` fsyncs every put) under
-   a time budget; a size the budget cannot reach is cut and said so.
+   ``redis://``. Each backend is filled by ``put_many`` batches (``file://``: one sync and one
+   transaction per batch) under a time budget; a size the budget cannot reach is cut and said
+   so.
 2. Restore time (``PrefixCache.lookup`` of a stored prompt, arrays evaluated) vs prompt length,
    with the KV shapes of real models (``MODELS``: layers, KV heads and head dim from their
    ``config.json``; bf16; random data), on each backend.
@@ -70,18 +71,12 @@ def bytes_per_token(model: str) -> int:
 
 
 def _lookup_rows(label: str, uri: str, sizes: list[int], budget: float, ctx: Any) -> list[Row]:
-    from benchmarks.prefix_lookup import _count_round_trips, _fill, _tiny_cache
+    from benchmarks.prefix_lookup import _fill, _tiny_cache, _trips
     from mlxcache import open_backend
     from mlxcache.prefix import PrefixCache
 
     rows: list[Row] = []
-    backend = None
-    if label == "file://":  # without a per-put fsync where the backend offers it (fills faster)
-        try:
-            backend = open_backend(uri + "?sync=never")
-        except Exception:
-            backend = None
-    backend = backend or open_backend(uri)
+    backend = open_backend(uri)  # file:// with its default sync: one sync per put_many batch
     try:
         pc = PrefixCache(backend, model="bench-growth", block_size=BLOCK)
         tokens = list(range(1000, 1000 + PROMPT))
@@ -105,9 +100,8 @@ def _lookup_rows(label: str, uri: str, sizes: list[int], budget: float, ctx: Any
             for kind, prompt in (("hit", tokens), ("miss", unseen)):
                 note = f"{size:,} blocks stored"
                 if label == "redis://":
-                    with _count_round_trips() as counter:
-                        pc.lookup(prompt)
-                    note += f"; {counter[0]} round trips"
+                    trips = _trips(pc, prompt)
+                    note += f"; {trips} round trip{'s' if trips != 1 else ''}"
                 st = time_runs(
                     lambda p=prompt: pc.lookup(p), max(ctx.repeat, 10), warmup=2, collect=False
                 )

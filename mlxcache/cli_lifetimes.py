@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxcache.cli_common import CLIError, check_reachable, errors, open_store, print_json
+from mlxcache.serializers import kv_quant
 from mlxcache.warm import load_prompts, warm
 
 
@@ -37,9 +38,21 @@ def cmd_warm(args: argparse.Namespace) -> int:
         raise CLIError(str(exc)) from None
     if args.block_size < 1:
         raise CLIError(f"--block-size must be >= 1, got {args.block_size}")
+    try:
+        kv_quant.make(args.kv_bits, args.kv_group_size)
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     open_store(args.uri).close()  # a bad URI or an unusable folder: one error line
     lines = None if args.json else sys.stdout
-    report = warm(args.uri, prompts, block_size=args.block_size, stream=sys.stderr, lines=lines)
+    report = warm(
+        args.uri,
+        prompts,
+        block_size=args.block_size,
+        kv_bits=args.kv_bits,
+        kv_group_size=args.kv_group_size,
+        stream=sys.stderr,
+        lines=lines,
+    )
     if args.json:
         print_json(report)
     failed = [r for r in report["prompts"] if r["error"]]
@@ -80,5 +93,15 @@ def add_lifetime_commands(add: Callable[..., Any]) -> None:
         type=int,
         default=256,
         help="PrefixCache block size of the readers (default 256, PrefixCache's)",
+    )
+    sp.add_argument(
+        "--kv-bits",
+        type=int,
+        default=None,
+        help="store KV quantized, as readers with PrefixCache(kv_bits=...) / mlxcache serve "
+        "--cache-kv-bits expect (default exact)",
+    )
+    sp.add_argument(
+        "--kv-group-size", type=int, default=64, help="the readers' kv_group_size (default 64)"
     )
     sp.add_argument("--json", action="store_true", help="one JSON report on stdout")

@@ -25,8 +25,9 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxcache import digests
 from mlxcache import meta as meta_codec
-from mlxcache.digests import FORMAT_VERSION, digest, vcheck, verify
+from mlxcache.digests import FORMAT_VERSION, READ_VERSIONS, digest, vcheck, verify
 from mlxcache.digests import checksum as _checksum  # noqa: F401 - tests forge with it
 from mlxcache.digests import vcheck as _vcheck  # noqa: F401
 from mlxcache.errors import (
@@ -190,12 +191,12 @@ def _version(info: dict[str, Any]) -> int:
     if not isinstance(raw, str) or not re.fullmatch(r"[0-9]{1,9}", raw):
         raise FormatError(f"bad format version {raw!r:.40}")
     version = int(raw)
-    if version == FORMAT_VERSION:
+    if version in READ_VERSIONS:
         return version
     parts = [info.get("checksum"), info.get("mac", ""), info.get("vcheck")]
     if all(isinstance(p, str) for p in parts) and parts[2] == vcheck(raw, parts[0], parts[1]):
         raise UnsupportedVersionError(
-            f"record format version {version}; this mlxcache reads version {FORMAT_VERSION}"
+            f"record format version {version}; this mlxcache reads versions {READ_VERSIONS}"
         )
     raise FormatError(f"format version {raw!r} without a valid version check: corrupt")
 
@@ -372,7 +373,16 @@ def from_buffers(
         for t in header.tensors:
             yield from blob.pieces(base + t.begin, base + t.end)
 
-    verify(header, buffers, key, signer)
+    if header.version == 1:
+        verify(header, buffers, key, signer)
+    else:  # each piece hashed from the buffers that hold it, pieces spread over the cores
+        ranges = digests.pieces(header.tensors)
+
+        def leaves(kind: str) -> list[bytes]:
+            parts = lambda r: list(blob.pieces(base + r[0], base + r[1]))  # noqa: E731
+            return digests.pmap(lambda r: digests.leaf(kind, parts(r)), ranges, header.data_size)
+
+        digests.verify_leaves(header, leaves, key, signer)
     header = _with_meta(header)
     arrays = {}
     for t in header.tensors:
@@ -403,57 +413,24 @@ def header_bytes_needed(prefix: bytes) -> int:
 
 def read_header(path: str | os.PathLike) -> Header:
     """Read only the header of a record file (cheap: tensor bytes stay on disk)."""
-    return _with_meta(_read_header(path))
+    from mlxcache import format_read  # the file reader builds on this module
 
-
-def _read_header(path: str | os.PathLike) -> Header:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        first = f.read(8)
-        n = _header_length(first)
-        if size < 8 + n:
-            raise FormatError(f"header length {n} does not fit the file ({size} bytes)")
-        return _parse_header(first + f.read(n), total_size=size)
+    return format_read.read_header(path)
 
 
 def read_file(
     path: str | os.PathLike, *, key: str | None = None, signer: Signer | None = None
 ) -> Record:
-    """Load and verify a record file; tensors are read by ``mx.load`` straight into arrays.
+    """Load and verify a record file (:func:`mlxcache.format_read.read_file`)."""
+    from mlxcache import format_read
 
-    Every loaded array is checked against the parsed header (shape, dtype, byte size) before
-    the checksum or MAC is verified over its bytes. A file that cannot be opened raises
-    OSError; anything unreadable in it is a FormatError.
-    """
-    header = _read_header(path)
-    if any(t.dtype in _NOT_MX_LOADABLE for t in header.tensors):
-        with open(path, "rb") as f:
-            return from_bytes(f.read(), key=key, signer=signer)
-    try:
-        loaded = mx.load(str(path)) if header.tensors else {}
-        if not isinstance(loaded, dict) or set(loaded) != {t.name for t in header.tensors}:
-            raise FormatError("the file's tensors differ from its header")
-        arrays = {t.name: loaded[t.name] for t in header.tensors}
-        mx.eval(list(arrays.values()))
-    except (RuntimeError, ValueError) as exc:
-        if not isinstance(exc, FormatError):
-            os.close(os.open(path, os.O_RDONLY))  # still openable: the contents are bad
-            exc = FormatError(f"unreadable tensor data: {exc}")
-        raise exc from None
-    for t in header.tensors:
-        _check_array(t, arrays[t.name])
-    verify(header, lambda: (_raw_view(arrays[t.name]) for t in header.tensors), key, signer)
-    return _record(arrays, _with_meta(header).meta)
+    return format_read.read_file(path, key=key, signer=signer)
 
 
 def header_of(record: Record, *, key: str | None = None, signer: Signer | None = None) -> Header:
     """The header :func:`encode` writes for ``record`` (for stores that hold records, not bytes)."""
     head, views = encode(record, key=key, signer=signer)
     return parse_header(head, total_size=len(head) + sum(v.nbytes for v in views))
-
-
-def _raw_view(a: mx.array) -> memoryview:
-    return memoryview(a).cast("B") if a.nbytes else memoryview(b"")
 
 
 def describe(header: Header) -> dict[str, Any]:

@@ -99,13 +99,20 @@ def images_digest(images: Iterable[Any]) -> bytes:
     return _h(b"images", *(image_digest(img) for img in images))
 
 
-def namespace_seed(model: str, salt: str = "", *, format_version: int = HASH_VERSION) -> bytes:
-    """The root of every block-hash chain: format version, model identity and tenant salt."""
+def namespace_seed(
+    model: str, salt: str = "", *, format_version: int = HASH_VERSION, kv: str = ""
+) -> bytes:
+    """The root of every block-hash chain: format version, model identity and tenant salt.
+
+    ``kv`` names a lossy KV storage setting (e.g. ``"affine-q8-g64"``); exact storage ("")
+    keeps the seed it always had, so stored exact entries stay found.
+    """
     if not isinstance(model, str) or not model:
         raise ValueError("model identity must be a non-empty str")
-    if not isinstance(salt, str):
-        raise TypeError("salt must be a str")
-    return _h(b"mlxcache-ns", str(format_version).encode(), model.encode(), salt.encode())
+    if not isinstance(salt, str) or not isinstance(kv, str):
+        raise TypeError("salt and kv must be str")
+    parts = [b"mlxcache-ns", str(format_version).encode(), model.encode(), salt.encode()]
+    return _h(*parts, *([kv.encode()] if kv else []))
 
 
 def tokens_bytes(tokens: Sequence[int]) -> bytes:

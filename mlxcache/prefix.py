@@ -15,11 +15,19 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache import hashing
+from mlxcache import hashing, prefix_walk
 from mlxcache import prefix_records as pr
-from mlxcache.backends.base import CacheBackend, log
+from mlxcache.backends.base import (
+    CacheBackend,
+    add_sibling,
+    log,
+    put_all,
+    walk_chain,
+    walks_chains,
+)
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.record import Record
+from mlxcache.serializers import kv_quant
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 from mlxcache.uri import open_backend
 
@@ -107,6 +115,8 @@ class PrefixCache:
     the default folder). ``model`` is the model identity (see ``model_identity``); ``salt``
     isolates tenants. With ``image_token_id``, each image keys the block where its placeholder
     run starts, so text before an image is shared across images (see docs/prefix.md).
+    ``kv_bits`` (8, 4, ...; None = exact, the default) stores block KV quantized in groups of
+    ``kv_group_size``: lossy, fewer bytes moved; its own namespace (docs/prefix.md).
     """
 
     def __init__(
@@ -117,7 +127,10 @@ class PrefixCache:
         block_size: int = 256,
         salt: str = "",
         image_token_id: int | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ) -> None:
+        self.kv_quant = kv_quant.make(kv_bits, kv_group_size)  # ValueError before opening
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
         if backend is None or isinstance(backend, str):
@@ -129,7 +142,9 @@ class PrefixCache:
             raise TypeError(f"backend must be a CacheBackend or a URI, got {type(backend)}")
         self.model, self.salt, self.block_size = model, salt, block_size
         self.image_token_id = image_token_id
-        self._seed = hashing.namespace_seed(model, salt)
+        self._seed = hashing.namespace_seed(
+            model, salt, kv=self.kv_quant.tag if self.kv_quant else ""
+        )
         self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
         self._lock = threading.Lock()
         self.writer: BackgroundWriter | None = None  # made by the first background store
@@ -207,7 +222,8 @@ class PrefixCache:
         docs/backends.md).
 
         Only blocks not yet stored are written (one ``contains_many`` first, one after the
-        puts to count what the backend kept: a refused or failed put counts 0). ``extras``
+        puts to count what the backend kept: a refused or failed put counts 0; a prompt that
+        ends inside a block then registers it with ``add_sibling`` for one-trip lookups). ``extras``
         (e.g. ``{"rope_deltas": ...}``) are kept with this exact length. With ``background``
         the records are built and evaluated here, the puts run on this cache's writer thread
         (see ``flush()``) and the return value is the number of new tokens queued.
@@ -242,6 +258,11 @@ class PrefixCache:
             keys.append(vkey)
         if not keys:
             return 0
+        # the partial block, in its parent's sibling index: a one-trip lookup finds it there
+        sibling = None
+        if r:
+            members = [self._key("t", plan.partial(n_full, r)), blocks[-1][0]]
+            sibling = (self._key("s", plan.parent(n_full)), plan.block_tokens(n_full, r), members)
         exists = self.backend.contains_many(keys)
         # build what can fail (unsupported checkpoint classes, bad extras) before any put
         tail = vision = None
@@ -253,14 +274,15 @@ class PrefixCache:
         todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
         for (key, i, m), there in zip(blocks, exists, strict=False):
             if not there:
-                todo.append(
-                    (key, pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m), m)
+                rec = pr.block_record(
+                    layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant
                 )
+                todo.append((key, rec, m))
         for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if rec is not None:
                 todo.append((key, rec, 0))
         if not background:
-            written = self._write(todo)
+            written = self._write(todo, sibling)
             if pin:
                 self._pin(keys)
             return written
@@ -272,7 +294,7 @@ class PrefixCache:
         nbytes = sum(rec.nbytes for _, rec, _ in todo)
 
         def write() -> int:
-            written = self._write(todo)
+            written = self._write(todo, sibling)
             if pin:
                 self._pin(keys)
             return written
@@ -280,12 +302,15 @@ class PrefixCache:
         queued = self.writer.submit(write, nbytes) if todo or pin else True
         return sum(m for _, _, m in todo) if queued else 0
 
-    def _write(self, todo: list[tuple[str, Record, int]]) -> int:
-        for key, rec, _ in todo:
-            self.backend.put(key, rec)
+    def _write(self, todo: list[tuple[str, Record, int]], sibling: tuple | None = None) -> int:
+        put_all(self.backend, [(key, rec) for key, rec, _ in todo])  # file://: one sync
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
         kept = self.backend.contains_many([k for k, _, _ in todo]) if todo else []
+        if sibling is not None:  # once its tail is stored: an entry names kept keys only
+            new = {k: ok for (k, _, _), ok in zip(todo, kept, strict=True)}
+            if new.get(sibling[2][0], True):
+                add_sibling(self.backend, *sibling)
         written = sum(m for (_, _, m), ok in zip(todo, kept, strict=True) if ok)
         self._count(stores=1, tokens_written=written, records_written=sum(kept))
         return written
@@ -313,17 +338,22 @@ class PrefixCache:
     ) -> PrefixHit | None:
         """The longest cached prefix of ``token_ids`` with these images, or None.
 
-        One ``contains_many`` (a second, of at most ``block_size - 1`` keys, when the match
-        ends inside the request's whole blocks) and one ``get_many``. With
-        ``require_extras`` a hit must end at a stored length (where extras were kept).
+        One ``walk_chain`` where the backend has it (one round trip on Redis); else one
+        ``contains_many`` (a second, of at most ``block_size - 1`` keys, when the match ends
+        inside the request's whole blocks) and one ``get_many``. With ``require_extras`` a
+        hit must end at a stored length (where extras were kept).
         """
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
-        keys = self._probe_keys(plan)
-        found = self.backend.contains_many(keys) if keys else []
-        match = self._match(plan, found)
-        fetch = self._fetch_keys(plan, match)
-        recs = self.backend.get_many(fetch) if fetch else []
+        walked = self._walk(plan)
+        if walked is not None:
+            match, recs = walked
+        else:
+            keys = self._probe_keys(plan)
+            found = self.backend.contains_many(keys) if keys else []
+            match = self._match(plan, found)
+            fetch = self._fetch_keys(plan, match)
+            recs = self.backend.get_many(fetch) if fetch else []
         hit = self._assemble(plan, match, recs, require_extras)
         self._count(lookups=1, tokens_requested=len(tokens))
         if hit is None or not hit.num_tokens:
@@ -331,6 +361,16 @@ class PrefixCache:
         else:
             self._count(hits=1, tokens_reused=hit.num_tokens)
         return hit
+
+    def _walk(self, plan: _Plan) -> tuple[_Match, list] | None:
+        """The match and the records of ``_fetch_keys`` from one ``walk_chain``; None where the
+        backend cannot walk or its answer does not fit the request (see prefix_walk)."""
+        vkey = self._vision_key(plan)
+        if not walks_chains(self.backend) or not (len(plan.tokens) or vkey):
+            return None
+        found = walk_chain(self.backend, prefix_walk.chain_walk(plan, self._key, vkey))
+        read = None if found is None else prefix_walk.read_walk(plan, self._key, found)
+        return None if read is None else (_Match(*read[:4]), read[4])
 
     def _probe_keys(self, plan: _Plan) -> list[str]:
         """What one ``contains_many`` asks: every whole block, the tail at each whole block,
@@ -454,7 +494,7 @@ class PrefixCache:
             return None
         num, used, tail = choice
         try:  # a record that verified but does not rebuild (another format, forged) is a miss
-            layers = pr.join_blocks(used, lay) if used else {}
+            layers = pr.join_blocks(used, lay, self.kv_quant) if used else {}
             ckpt, extras = pr.read_tail(tail, lay) if tail is not None else ({}, {})
             layers.update(ckpt)
             cache = [layers[j] for j in range(len(lay))]
@@ -513,4 +553,7 @@ class PrefixCache:
         self.close()
 
     def __repr__(self) -> str:
-        return f"PrefixCache(model={self.model!r}, block_size={self.block_size}, {self.backend!r})"
+        kv = f", kv_bits={self.kv_quant.bits}" if self.kv_quant else ""
+        return (
+            f"PrefixCache(model={self.model!r}, block_size={self.block_size}{kv}, {self.backend!r})"
+        )

@@ -16,7 +16,8 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.record import Record
-from mlxcache.serializers import adapters
+from mlxcache.serializers import adapters, kv_quant
+from mlxcache.serializers.kv_quant import KVQuant
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
 
 
@@ -63,12 +64,19 @@ def _parts(x: Any) -> tuple[mx.array, ...]:
 
 
 def block_record(
-    prompt_cache: Sequence[Any], lay: list[str], start: int, tokens: bytes, n: int
+    prompt_cache: Sequence[Any],
+    lay: list[str],
+    start: int,
+    tokens: bytes,
+    n: int,
+    quant: KVQuant | None = None,
 ) -> Record:
     """The block ``[start, start + n)`` of every block layer, as new (sliced) arrays.
 
     Reads each layer through the serializer's adapter; ``params`` keeps the state's other
-    fields (e.g. QuantizedKVCache's group_size and bits) to rebuild the layer with.
+    fields (e.g. QuantizedKVCache's group_size and bits) to rebuild the layer with. With
+    ``quant`` each plain key/value array is stored quantized (``meta["kvq"]`` says how); a
+    QuantizedKVCache's parts are stored as they are.
     """
     arrays: dict[str, mx.array] = {}
     params: list[Any] = []
@@ -82,6 +90,8 @@ def block_record(
             for p, part in enumerate(_parts(x)):
                 arrays[f"{j}.{side}{p}"] = part[..., start : start + n, :]
     meta = {"kind": "block", "start": start, "tokens": tokens, "layout": lay, "params": params}
+    if quant is not None:
+        arrays, meta["kvq"] = kv_quant.quantize(arrays, quant)
     return Record(arrays=arrays, meta=meta)
 
 
@@ -117,7 +127,8 @@ def check_block(
         if a.ndim < 2 or a.shape[-2] != n:
             raise RecordMismatch(f"block array {name!r} does not hold {n} tokens")
     if like is not None:
-        if like.meta.get("params") != m.get("params") or set(like.arrays) != set(rec.arrays):
+        same = like.meta.get("params") == m.get("params") and like.meta.get("kvq") == m.get("kvq")
+        if not same or set(like.arrays) != set(rec.arrays):
             raise RecordMismatch("block arrays differ from the earlier blocks")
         for name, a in rec.arrays.items():
             b = like.arrays[name]
@@ -126,10 +137,18 @@ def check_block(
     return list(own)
 
 
-def join_blocks(blocks: Sequence[Record], lay: list[str]) -> dict[int, Any]:
-    """Rebuild every block layer from consecutive verified blocks: {layer index: cache}."""
+def join_blocks(
+    blocks: Sequence[Record], lay: list[str], quant: KVQuant | None = None
+) -> dict[int, Any]:
+    """Rebuild every block layer from consecutive verified blocks: {layer index: cache}.
+
+    ``quant`` is the reader's setting: a block stored otherwise raises (a miss); quantized
+    arrays are joined, then dequantized once to their original dtype.
+    """
     params = blocks[0].meta["params"]
     n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
+    joined = {k: mx.concatenate([b.arrays[k] for b in blocks], axis=-2) for k in blocks[0].arrays}
+    joined = kv_quant.restore(joined, blocks[0].meta.get("kvq"), quant)
     out: dict[int, Any] = {}
     for j, tag in enumerate(lay):
         if not tag.startswith("b:"):
@@ -137,8 +156,8 @@ def join_blocks(blocks: Sequence[Record], lay: list[str]) -> dict[int, Any]:
         lib, _, name = tag[2:].partition(".")
         sides = []
         for side in ("k", "v"):
-            names = sorted(k for k in blocks[0].arrays if k.startswith(f"{j}.{side}"))
-            parts = tuple(mx.concatenate([b.arrays[k] for b in blocks], axis=-2) for k in names)
+            names = sorted(k for k in joined if k.startswith(f"{j}.{side}"))
+            parts = tuple(joined[k] for k in names)
             sides.append(parts if len(parts) > 1 else parts[0])
         out[j] = adapters.from_block_state(lib, name, sides[0], sides[1], n, params[j])
     return out

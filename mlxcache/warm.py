@@ -112,6 +112,8 @@ def warm(
     prompts: Sequence[dict[str, Any]],
     *,
     block_size: int = 256,
+    kv_bits: int | None = None,
+    kv_group_size: int = 64,
     stream: TextIO | None = None,
     lines: TextIO | None = None,
 ) -> dict[str, Any]:
@@ -138,7 +140,11 @@ def warm(
                     cache = caches.get(identity)
                     if cache is None:
                         cache = caches[identity] = PrefixCache(
-                            backend, model=identity, block_size=block_size
+                            backend,
+                            model=identity,
+                            block_size=block_size,
+                            kv_bits=kv_bits,
+                            kv_group_size=kv_group_size,
                         )
                     ids = prompt_ids(item, tokenizer)
                     done = prefill(model, ids, cache=cache)

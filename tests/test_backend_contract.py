@@ -96,6 +96,35 @@ def test_batch_calls_keep_order(store):
     assert (stats["hits"], stats["misses"], stats["entries"]) == (3, 1, 4)
 
 
+def test_put_many_then_get_many(store):
+    b = open_(store)
+    b.put("p/0", blob_record(10, seed=9))
+    items = [(f"p/{i}", blob_record(100 + i, seed=i)) for i in range(5)]
+    b.put_many(items)  # p/0 is replaced, p/1..p/4 are new
+    b.put_many([])
+    got = b.get_many([k for k, _ in items] + ["zz"])
+    assert got[-1] is None and len(b) == 5
+    for (_, want), have in zip(items, got, strict=False):
+        assert have is not None and bits(have.arrays["x"]) == bits(want.arrays["x"])
+    assert b.put_many(iter([("g", blob_record(3))])) is None and "g" in b  # any iterable
+    stats = b.stats()
+    assert stats["errors"] == 0 and stats["bytes_written"] == 10 + sum(range(100, 105)) + 3
+
+
+def test_put_many_refuses_oversize_entries_alone(store, caplog):
+    size = unit_size(store)
+    b = open_(store, max_bytes=3 * size)
+    with caplog.at_level(logging.WARNING, logger="mlxcache"):
+        b.put_many(
+            [("a", blob_record(1000)), ("huge", blob_record(4000)), ("c", blob_record(1000))]
+        )
+    assert "larger than max_bytes" in caplog.text and "'huge'" in caplog.text
+    assert "huge" not in b and "a" in b and "c" in b and len(b) == 2
+    b.put_many([(f"n{i}", blob_record(1000, seed=i)) for i in range(4)])  # over the budget
+    assert b.stats()["bytes"] <= 3 * size and "n3" in b  # the batch's last is the most recent
+    assert b.stats()["errors"] == 0
+
+
 def test_delete_and_clear(store):
     b = open_(store)
     for key in ("a", "b", "c"):
@@ -169,6 +198,8 @@ def test_oversize_record_is_refused_and_flushes_nothing(store, caplog):
         (lambda b: b.put("", blob_record(1)), ValueError),
         (lambda b: b.put("\ud800", blob_record(1)), ValueError),
         (lambda b: b.put("a", {"x": mx.zeros(1)}), TypeError),
+        (lambda b: b.put_many([("a", blob_record(1)), (2, blob_record(1))]), TypeError),
+        (lambda b: b.put_many([("a", blob_record(1)), ("b", None)]), TypeError),
         (lambda b: b.get(b"a"), TypeError),
         (lambda b: b.get_many(["a", 2]), TypeError),
         (lambda b: b.contains_many(["a", 2]), TypeError),

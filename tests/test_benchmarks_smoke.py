@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+LOOKUPS = ("hit", "partial", "miss")  # the prefix lookups benchmarks/prefix_lookup.py times
 
 
 def _importable(module: str) -> bool:
@@ -73,6 +74,9 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("throughput", "mx.save_safetensors + fsync, cold allocator"),
             ("rss", "file:// put"),
             ("rss", "file:// get"),
+            ("durability", "file:// put_many, 32 tiny blocks, sync=batch"),
+            ("durability", "file:// put, one KV record, sync=never"),
+            ("lookup", "file:// lookup (hit)"),
         }
     if _importable("mlxcache.prefix"):
         expected |= {("lookup", "memory:// lookup (hit)"), ("lookup", "memory:// lookup (miss)")}
@@ -80,6 +84,8 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
         expected |= {("throughput", "redis-py SET (raw)"), ("throughput", "redis-py GET (raw)")}
         if _importable("mlxcache.backends.redis"):
             expected |= {("throughput", "redis:// put"), ("throughput", "redis:// get")}
+            if _importable("mlxcache.prefix"):
+                expected |= {("lookup", f"redis:// lookup ({k})") for k in LOOKUPS}
     if _importable("mlxcache.integrations.mlx_vlm") and _importable("mlxcache.backends.disk"):
         expected |= {("ttft", "qwen2_vl uncached"), ("ttft", "qwen2_vl file:// warm")}
     if _importable("mlx_lm") and _importable("mlxcache.integrations.mlx_lm_server"):
@@ -109,10 +115,27 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("growth", "restore Qwen2.5-7B memory://"),
             ("growth", "break-even Qwen2.5-7B memory:// vs M2 Max, 7B Q4_0"),
         }
+    if _importable("mlxcache.prefix") and _importable("mlx_lm"):
+        expected |= {
+            ("quant", "q8 file:// restore"),
+            ("quant", "q4 file:// store"),
+            ("quant", "q8 file:// bytes per token"),
+            ("quant", "q4 file:// restore: link cost at the tie"),
+            ("quant", "qwen2_vl q8: max |logit diff| vs exact"),
+            ("quant", "gemma3 q8: greedy tokens equal to uncached"),
+        }
+        if shutil.which("redis-server"):
+            expected |= {("quant", "q8 redis:// restore"), ("quant", "q4 redis:// store")}
     expected |= {("signed", "signed file:// put"), ("signed", "signed file:// get")}
     expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names
     assert not missing, f"rows missing: {sorted(missing)}; notes: {doc['notes']}"
+
+    # every PrefixCache lookup on one Redis server is one round trip (the default path: 2-3)
+    for row in rows:
+        if row["section"] == "lookup" and row["name"].startswith("redis://"):
+            assert row["extra"]["round_trips"] == 1 and row["met"], row
+            assert row["extra"]["round_trips_default"] in (2, 3), row
 
     # a flipped byte on disk must never come back as a silent hit in our cache
     ours_flip = [r for r in rows if r["name"] == "mlxcache file:// flipped byte, new process"]

@@ -11,6 +11,7 @@ import pytest
 import mlxcache
 from mlxcache import Record
 from mlxcache.cli import main
+from mlxcache.digests import FORMAT_VERSION
 
 
 def fill(uri: str, n: int = 3, size: int = 256) -> None:
@@ -52,7 +53,7 @@ def test_inspect_shows_header_and_missing_key_fails(capsys, cache_uri):
     code, out, _ = run(capsys, "inspect", cache_uri, "k/1", "--json")
     info = json.loads(out)
     assert code == 0
-    assert info["format_version"] == 1 and info["meta"] == {"i": 1}
+    assert info["format_version"] == FORMAT_VERSION and info["meta"] == {"i": 1}
     assert info["tensors"] == [{"name": "x", "dtype": "BF16", "shape": [256], "bytes": 512}]
     code, out, _ = run(capsys, "inspect", cache_uri, "k/1")
     assert code == 0 and "BF16" in out and "checksum: xxh3_128:" in out

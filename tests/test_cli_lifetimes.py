@@ -74,6 +74,26 @@ def test_warm_prefills_prompts_a_later_lookup_reuses(tmp_path):
     assert again.stdout.count("warm ") == 2 and "0 stored" in again.stdout
 
 
+def test_warm_kv_bits_fills_the_quantized_namespace(tmp_path):
+    uri = f"file://{tmp_path}/cache"
+    ids = list(range(20, 60))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"model": "tiny", "token_ids": ids}) + "\n")
+    bad = mlxcache_cmd("warm", uri, str(prompts), "--kv-bits", "7")
+    assert bad.returncode != 0 and "kv_bits must be one of" in bad.stderr
+    done = mlxcache_cmd(
+        "warm", uri, str(prompts), "--block-size", "16", "--kv-bits", "8", "--kv-group-size", "32"
+    )
+    assert done.returncode == 0, done.stderr
+    model, _ = mlx_lm.load(str(build_tiny_lm(tmp_path / "lm")))
+    name = model_identity(model)
+    with PrefixCache(uri, model=name, block_size=16, kv_bits=8, kv_group_size=32) as q8:
+        hit = q8.lookup(ids)
+        assert hit is not None and hit.num_tokens == len(ids) - 1
+    with PrefixCache(uri, model=name, block_size=16) as exact:  # another namespace
+        assert exact.lookup(ids) is None
+
+
 def test_warm_reports_a_failed_prompt_in_one_line(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(

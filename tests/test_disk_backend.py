@@ -21,7 +21,7 @@ from threads import run_threads
 
 import mlxcache
 from mlxcache import CacheBackend, Record
-from mlxcache.backends import disk
+from mlxcache.backends import disk, disk_writes
 from mlxcache.backends.disk import DiskBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,20 +262,20 @@ def test_full_disk_is_a_logged_no_op(tmp_path, monkeypatch, caplog):
     b = DiskBackend(tmp_path)
     b.put("a", make_record("a"))
     before = index_rows(tmp_path)
-    real_write = disk.write_file
+    real_write = disk_writes.write_file
 
-    def full(path, head, views, *mode):  # the disk fills up halfway through the file
+    def full(path, head, views, *mode, **sync):  # the disk fills up halfway through the file
         with open(path, "xb") as f:
             f.write(head)
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk, "write_file", full)
+    monkeypatch.setattr(disk_writes, "write_file", full)
     b.put("b", make_record("b"))  # does not raise
     b.put("a", make_record("a", 50))  # a failed re-put keeps the old entry
     assert "b" not in b and index_rows(tmp_path) == before
     assert b.stats()["errors"] == 2 and "No space left" in caplog.text
     assert files(tmp_path, "tmp") == []
-    monkeypatch.setattr(disk, "write_file", real_write)
+    monkeypatch.setattr(disk_writes, "write_file", real_write)
     assert same(b.get("a"), make_record("a"))
     assert_consistent(tmp_path)
 
@@ -445,7 +445,7 @@ def test_many_processes_share_one_folder_and_budget(tmp_path):
 KILLED_WRITER = """
     import sys, time, mlx.core as mx, mlxcache
     from mlxcache import Record
-    from mlxcache.backends import disk
+    from mlxcache.backends import disk, disk_writes
 
     def hang(msg):
         print(msg, flush=True)
@@ -453,20 +453,20 @@ KILLED_WRITER = """
 
     def arm(stage):
         if stage == "write":  # killed halfway through writing a temp file
-            def _write_file(path, head, views, *mode):
+            def _write_file(path, head, views, *mode, **sync):
                 with open(path, "xb") as f:
                     f.write(head)
                     f.write(views[0][: len(views[0]) // 2])
                     f.flush()
                     hang("ready")
-            disk.write_file = _write_file
+            disk_writes.write_file = _write_file
         elif stage == "rename":  # killed after the rename into data/, before the index commit
-            real_fsync = disk.fsync_dir
+            real_fsync = disk_writes.fsync_dir
             def _fsync_dir(path):
                 real_fsync(path)
                 if path.parent.name == "data":
                     hang("ready")
-            disk.fsync_dir = _fsync_dir
+            disk_writes.fsync_dir = _fsync_dir
         elif stage == "unlink":  # killed after the commit, before the replaced file is removed
             disk.DiskBackend._remove_files = lambda self, *a, **k: hang("ready")
 

@@ -264,3 +264,30 @@ def test_streamed_reads_under_concurrent_rewrites_are_never_mixed(redis_url, sma
     found = {bits(g.arrays["x"]) for g in got if g is not None}
     assert found and found <= {bits(v.arrays["x"]) for v in versions}
     assert b.stats()["errors"] == 0 and "k" in b
+
+
+def test_prefix_walk_streams_large_blocks(redis_url, monkeypatch):
+    """PrefixCache on one server (one walk_chain script): blocks over 1 MiB are streamed."""
+    from helpers import bits
+    from mlx_lm.models.cache import KVCache
+
+    from mlxcache import PrefixCache
+
+    caches = []
+    for layer in range(2):
+        c = KVCache()
+        x = mx.random.normal((1, 8, 40, 1024), key=mx.random.key(layer))  # 2.5 MiB per block
+        c.update_and_fetch(x, -x)
+        caches.append(c)
+    ids = list(range(1, 41))
+    streamed = during_stream(monkeypatch, -1, lambda: None)
+    with PrefixCache(redis_url, model="m", block_size=16) as pc:
+        assert pc.backend._can_walk()
+        pc.store(ids, caches)
+        hit = pc.lookup(ids)
+        assert hit is not None and hit.num_tokens == 40
+        for got, want in zip(hit.prompt_cache, caches, strict=True):
+            for x in ("keys", "values"):
+                a, b = getattr(got, x), getattr(want, x)
+                assert bits(a[..., : got.offset, :]) == bits(b[..., : want.offset, :])
+        assert streamed[0] > 0 and pc.backend.stats()["errors"] == 0

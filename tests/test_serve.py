@@ -229,6 +229,34 @@ def test_bad_cache_uri_is_one_line():
     assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr
 
 
+def test_bad_cache_kv_bits_is_one_line():
+    args = [sys.executable, "-m", "mlxcache", "serve", "--cache-kv-bits", "7", "--model", "m"]
+    run = subprocess.run(args, capture_output=True, text=True)
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "kv_bits must be one of" in lines[0], run.stderr
+
+
+def test_cache_kv_bits_stores_quantized_blocks(servers, tmp_path):
+    """``--cache-kv-bits 8``: the shared tier holds quantized blocks and a restart reuses them."""
+    from mlxcache import open_backend
+
+    model = str(build_tiny_lm(tmp_path / "lm32", hidden_size=128, num_heads=4))  # head dim 32
+    uri = f"file://{tmp_path / 'cache'}"
+    flags = ("--cache-kv-bits", "8", "--cache-kv-group-size", "32", "--cache-block-size", "16")
+    s = servers(model, uri, *flags)
+    _, n, cached = s.chat(max_tokens=2)
+    assert cached == 0
+    s.kill()
+    s = servers(model, uri, *flags)  # a new process: only the shared tier has the prompt
+    _, n2, cached = s.chat(max_tokens=2)
+    assert n2 == n and cached == n - 1
+    with open_backend(uri) as b:
+        blocks = [r for r in b.get_many(list(b.keys(""))) if r.meta.get("kind") == "block"]
+    assert blocks and all(r.meta["kvq"]["bits"] == 8 for r in blocks)
+    assert all(r.meta["kvq"]["arrays"] for r in blocks)  # every layer's keys/values quantized
+
+
 def test_the_end_of_a_response_waits_for_its_store():
     from queue import Queue
 

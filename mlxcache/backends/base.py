@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mlxcache import format as fmt
@@ -61,17 +62,89 @@ def is_persistent(backend: CacheBackend) -> bool:
     return bool(getattr(backend, "persistent", True))
 
 
+MAX_MEMBERS = 16  # keys of one sibling index entry
+
+
+@dataclass(frozen=True)
+class ChainWalk:
+    """One chain lookup a backend may answer in one round trip (docs/backends.md, "Chain walks").
+
+    Walk ``chain`` in order while present: ``k`` keys found. ``aligned`` is the largest
+    ``i <= k`` with ``marks[i - 1]`` present. The candidate: when ``k == len(chain)``, the
+    first of ``ends`` (key lists, longest first) whose first key is present; else, among the
+    entries of sibling index ``siblings[k]`` (see ``add_sibling``) whose label is a shorter
+    prefix, in whole ``unit``-byte units, of ``labels[k * label_size:(k + 1) * label_size]``,
+    the longest whose first key is present. Then read ``chain[:k]``, the candidate's keys (or,
+    with none, ``marks[aligned - 1]``) and the present ``extras``.
+    """
+
+    chain: list[str]
+    marks: list[str]
+    siblings: list[str]
+    labels: bytes
+    label_size: int
+    unit: int
+    ends: list[list[str]]
+    extras: list[str]
+
+
+@dataclass
+class ChainFound:
+    """What a walk found: ``rank`` is 1 + the index in ``ends`` when ``k == len(chain)``, else
+    the candidate label's length in units (0: no candidate); ``members`` its keys;
+    ``records`` in the read order of :class:`ChainWalk` (None for a miss)."""
+
+    k: int = 0
+    rank: int = 0
+    members: list[str] = field(default_factory=list)
+    aligned: int = 0
+    extras: list[bool] = field(default_factory=list)
+    records: list[Record | None] = field(default_factory=list)
+
+
+def walks_chains(backend: CacheBackend) -> bool:
+    """Whether ``walk_chain`` may answer on this backend (so a caller builds the walk at all)."""
+    if not callable(getattr(backend, "walk_chain", None)):
+        return False
+    return bool(getattr(backend, "walks_chains", True))
+
+
+def walk_chain(backend: CacheBackend, walk: ChainWalk) -> ChainFound | None:
+    """``backend.walk_chain(walk)`` if the backend has the capability, else None: the caller
+    then does the walk itself with ``contains_many`` and ``get_many`` (the protocol default)."""
+    fn = getattr(backend, "walk_chain", None)
+    return fn(walk) if callable(fn) else None
+
+
+def add_sibling(backend: CacheBackend, index: str, label: bytes, members: list[str]) -> None:
+    """Register ``members`` under ``label`` in sibling index ``index`` where the backend keeps
+    sibling indexes (for ``walk_chain``); elsewhere nothing."""
+    fn = getattr(backend, "add_sibling", None)
+    if callable(fn):
+        fn(index, label, members)
+
+
+def put_all(backend: CacheBackend, items: list[tuple[str, Record]]) -> None:
+    """``backend.put_many(items)`` where it has one (BackendBase does), else ``put`` each."""
+    put_many = getattr(backend, "put_many", None)
+    if put_many is not None:
+        put_many(items)
+        return
+    for key, record in items:
+        backend.put(key, record)
+
+
 class BackendBase:
     """The protocol's policy over a backend's raw operations.
 
     Subclasses set ``scheme`` (and ``persistent = False`` if they keep live objects), call
     ``super().__init__`` and implement ``_prepare``, ``_put``, ``_get_many``,
     ``_contains_many``, ``_delete``, ``_keys``, ``_count``, ``_clear``, ``_stats`` and
-    ``_trim``; ``_header`` and ``_close`` are optional. A raw operation may raise anything:
-    the base counts it in ``stats()["errors"]``, logs it (rate-limited), keeps its text in
-    ``last_error`` and returns the call's miss value. Errors of a type in ``_unreachable``
-    mean the store is gone: calls are then skipped for a backoff that doubles from
-    ``backoff`` up to ``max_backoff`` seconds, and tried again after it.
+    ``_trim``; ``_header``, ``_close`` and ``_put_many`` are optional. A raw operation may
+    raise anything: the base counts it in ``stats()["errors"]``, logs it (rate-limited), keeps
+    its text in ``last_error`` and returns the call's miss value. Errors of a type in
+    ``_unreachable`` mean the store is gone: calls are then skipped for a backoff that doubles
+    from ``backoff`` up to ``max_backoff`` seconds, and tried again after it.
     """
 
     scheme = "backend"
@@ -110,6 +183,10 @@ class BackendBase:
     def _put(self, key: str, payload: Any, size: int) -> int:
         """Store ``payload`` under ``key``; returns how many entries were evicted for it."""
         raise NotImplementedError
+
+    _put_many: Callable[[list[tuple[str, Any, int]]], tuple[int, list[Any]]] | None = None
+    """Optional: store prepared ``(key, payload, size)`` entries as one batch; returns
+    (entries evicted, each entry's exception or None). Without it ``put_many`` loops ``put``."""
 
     def _get_many(self, keys: list[str]) -> list[Record | None]:
         raise NotImplementedError
@@ -256,6 +333,48 @@ class BackendBase:
         if self._fleet is not None:
             self._fleet.maybe_flush()
 
+    def put_many(self, items: Iterable[tuple[str, Record]]) -> None:
+        """``put`` each ``(key, record)`` with the same policy, as one batch where the store can
+        (``file://``: one sync and one transaction); an oversize record is refused alone."""
+        items = [(check_key(k), check_record(r)) for k, r in items]
+        if self._put_many is None or type(self).put is not BackendBase.put:
+            for key, record in items:  # no batch operation, or a subclass that wraps put
+                self.put(key, record)
+            return
+        if not items or self.max_bytes == 0 or self._refuses_all():
+            return
+        if self._skipping():
+            self._counters.add("errors", len(items))
+            return
+        batch: list[tuple[str, Any, int]] = []
+        nbytes: list[int] = []
+        for key, record in items:
+            payload, size = self._prepare(key, record)  # raises before anything is written
+            if self.max_bytes is not None and size > self.max_bytes:
+                log.warning(
+                    "%s cache: refusing %r (%d bytes) larger than max_bytes=%d",
+                    self.scheme, key, size, self.max_bytes,
+                )  # fmt: skip
+                continue
+            batch.append((key, payload, size))
+            nbytes.append(record.nbytes)
+        if not batch:
+            return
+        with self.latency.timer("put"):
+            done = self._guard("put", None, self._put_many, batch, n=len(batch))
+        if done is None:
+            return  # failed: counted as errors
+        evicted, failed = done
+        for exc in failed:
+            if exc is not None:
+                self.error("put", exc)
+        kept = sum(b for b, e in zip(nbytes, failed, strict=True) if e is None)
+        self._counters.add("bytes_written", kept)
+        if evicted:
+            self._counters.add("evictions", evicted)
+        if self._fleet is not None:
+            self._fleet.maybe_flush()
+
     def _refuses_all(self) -> bool:
         """True when another budget of the backend is zero (e.g. ``max_entries=0``)."""
         return False
@@ -343,6 +462,53 @@ class BackendBase:
         """Flush the fleet counters, release connections and files (a later call may reopen)."""
         self.flush_counters()
         self._guard("close", None, self._close)
+
+    # ------------------------------------------------------------ chain walks (optional)
+
+    def _walk_chain(self, walk: ChainWalk) -> ChainFound | None:
+        """One round trip for a whole ``ChainWalk``; None: not here (the default)."""
+        return None
+
+    def _can_walk(self) -> bool:
+        """Whether ``_walk_chain`` answers here (a backend may depend on its configuration)."""
+        return type(self)._walk_chain is not BackendBase._walk_chain
+
+    def _add_sibling(self, index: str, label: bytes, members: list[str]) -> None:
+        """Keep a sibling index entry for ``_walk_chain``; the default keeps none."""
+
+    @property
+    def walks_chains(self) -> bool:
+        """Whether ``walk_chain`` answers here (else it returns None at once)."""
+        return self._can_walk()
+
+    def walk_chain(self, walk: ChainWalk) -> ChainFound | None:
+        """Answer ``walk`` in one round trip, or None where the backend cannot (then use
+        ``contains_many``/``get_many``). A failing store is an empty find, counted."""
+        for k in (*walk.chain, *walk.marks, *walk.siblings, *walk.extras):
+            check_key(k)
+        if not self._can_walk():
+            return None
+        with self.latency.timer("get"):
+            found = self._guard("get", ChainFound(), self._walk_chain, walk)
+        if found is None:
+            return None
+        hits = [r for r in found.records if r is not None]
+        self._counters.add("hits", len(hits))
+        self._counters.add("misses", len(found.records) - len(hits))
+        self._counters.add("bytes_read", sum(r.nbytes for r in hits))
+        if self._fleet is not None:
+            self._fleet.maybe_flush()
+        return found
+
+    def add_sibling(self, index: str, label: bytes, members: list[str]) -> None:
+        """Register ``members`` (first: the one whose presence counts) under ``label`` in the
+        sibling index ``index``; failures are counted, never raised."""
+        for k in (index, *members):
+            if "\n" in check_key(k):
+                raise ValueError(f"sibling index names and members take no newline: {k!r}")
+        if not isinstance(label, bytes) or not label or not 0 < len(members) <= MAX_MEMBERS:
+            raise ValueError(f"add_sibling needs a bytes label and 1..{MAX_MEMBERS} members")
+        self._guard("put", None, self._add_sibling, index, label, list(members))
 
     # ------------------------------------------------------------ pins (see docs/backends.md)
 

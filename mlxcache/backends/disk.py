@@ -7,22 +7,22 @@ Layout of the root folder::
     tmp/<pid>-<token>.tmp                                   files being written
     quarantine/      unreadable files moved aside for inspection (removed after a week)
 
-A put writes the file under ``tmp/``, fsyncs it, renames it into ``data/`` under a name never
-used before and fsyncs the folder; then one ``BEGIN IMMEDIATE`` transaction publishes it and
-evicts least recently used entries until the total shared by all processes fits ``max_bytes``.
-Replaced and evicted files are unlinked after the commit. Files are only created and deleted,
-never rewritten, so a reader that opened one keeps a consistent view, and an index row always
-names a complete, fsynced file. Names carry the writer's pid, so at open the debris of a dead
-writer (temp files, files renamed but never published) can be told from a live writer's work.
+A put writes the file under ``tmp/``, renames it into ``data/`` under a name never used before
+and syncs it as ``?sync=`` says (see :mod:`mlxcache.backends.disk_writes`); then one
+``BEGIN IMMEDIATE`` transaction publishes it (a ``put_many``: all of them) and evicts least
+recently used entries until the total shared by all processes fits ``max_bytes``. Replaced and
+evicted files are unlinked after the commit. Files are only created and deleted, never
+rewritten, so a reader that opened one keeps a consistent view, and an index row always names a
+complete file (fsynced first unless ``sync=never``; a torn one would fail its checksum). Names
+carry the writer's pid, so at open the debris of a dead writer (temp files, files renamed but
+never published) can be told from a live writer's work.
 """
 
 from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import os
-import secrets
 import sqlite3
 import threading
 from collections.abc import Iterable
@@ -40,19 +40,18 @@ from mlxcache.backends.disk_files import (
     PRIVATE_MODES,
     ensure_dir,
     ensure_file,
-    fsync_dir,
     sweep_debris,
     unlink,
-    write_file,
 )
-from mlxcache.backends.disk_index import _UPSERT, SUFFIX, IndexMixin
+from mlxcache.backends.disk_index import IndexMixin
+from mlxcache.backends.disk_writes import DEFAULT_SYNC, WriteMixin, check_sync
 from mlxcache.backends.fleet import FLEET
 from mlxcache.errors import FormatError, UntrustedRecordError
 from mlxcache.options import Options, redact_uri
 from mlxcache.record import Record
 
 
-class DiskBackend(IndexMixin, BackendBase):
+class DiskBackend(WriteMixin, IndexMixin, BackendBase):
     """Records as safetensors files under ``path``, LRU over ``max_bytes`` of file bytes.
 
     Many threads and processes may share one folder: ``max_bytes`` caps their common total.
@@ -80,8 +79,10 @@ class DiskBackend(IndexMixin, BackendBase):
         ttl: float | None = None,
         idle_ttl: float | None = None,
         pin_max_bytes: int | None = None,
+        sync: str = DEFAULT_SYNC,
     ) -> None:
         super().__init__(max_bytes=max_bytes)
+        self.sync = check_sync(sync)
         self.readonly = bool(readonly)
         self.ttl = check_lifetime("ttl", ttl)
         self.idle_ttl = check_lifetime("idle_ttl", idle_ttl)
@@ -377,6 +378,7 @@ class DiskBackend(IndexMixin, BackendBase):
             "ttl": self.ttl,
             "idle_ttl": self.idle_ttl,
             "pin_max_bytes": self.pin_max_bytes,
+            "sync": self.sync,
         }
 
     # ------------------------------------------------------------ writes
@@ -385,44 +387,6 @@ class DiskBackend(IndexMixin, BackendBase):
         # bad dtypes raise here, before any file exists
         head, views = st.encode(record, key=key, signer=self.signer)
         return (head, views), len(head) + sum(v.nbytes for v in views)
-
-    def _put(self, key: str, payload: Any, size: int) -> int:
-        self._writable()
-        head, views = payload
-        digest = hashlib.sha256(key.encode("utf-8")).hexdigest()
-        token = secrets.token_hex(6)
-        pid = os.getpid()
-        name = f"{digest[:2]}/{digest}-{pid}-{token}{SUFFIX}"
-        tmp = self._tmp / f"{pid}-{token}.tmp"
-        final = self._data / name
-        try:
-            write_file(str(tmp), head, views, self._file_mode)
-            for attempt in (1, 2):  # clear() may remove an empty shard folder meanwhile
-                if not final.parent.is_dir():
-                    ensure_dir(final.parent, self._dir_mode)
-                    fsync_dir(self._data)
-                try:
-                    os.replace(tmp, final)
-                    break
-                except FileNotFoundError:
-                    if attempt == 2 or not tmp.exists():
-                        raise
-            fsync_dir(final.parent)
-            now = clock.now()
-            with self._transaction() as db:
-                row = db.execute(
-                    "SELECT CAST(file AS BLOB) FROM entries WHERE key = ?", (key,)
-                ).fetchone()
-                db.execute(_UPSERT, (key, name, size, now, now))
-                expired = self._expire(db)
-                evicted = [] if self.max_bytes is None else self._evict(db, self.max_bytes, key)
-        except BaseException:  # nothing was published: leave no file behind
-            unlink(tmp)
-            unlink(final)
-            raise
-        old = self._file_of(key, row[0]) if row else None
-        self._remove_files([old, *expired, *evicted])
-        return len(evicted)
 
     def _delete(self, key: str) -> bool:
         self._writable()
@@ -450,7 +414,7 @@ class DiskBackend(IndexMixin, BackendBase):
 
 def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     """``file:///abs/path`` or ``file://~/rel`` (home), ``?max_bytes=20GiB&timeout=10``; also
-    ``ttl``, ``idle_ttl`` (seconds) and ``pin_max_bytes``."""
+    ``ttl``, ``idle_ttl`` (seconds), ``pin_max_bytes`` and ``sync`` (always, batch, never)."""
     host, path = url.netloc, unquote(url.path)
     if host.startswith("~"):
         home = os.path.expanduser(host)
@@ -474,9 +438,10 @@ def from_uri(url: SplitResult, opts: Options) -> DiskBackend:
     secret_env = opts.str("secret_env", None)
     shared_group = opts.bool("shared_group", False)
     readonly = opts.bool("readonly", False)
+    sync = check_sync(opts.str("sync", DEFAULT_SYNC))
     lifetimes = lifetime_options(opts)
     opts.done()
     return DiskBackend(
         root, max_bytes=max_bytes, timeout=timeout, secret_env=secret_env,
-        shared_group=shared_group, readonly=readonly, **lifetimes,
+        shared_group=shared_group, readonly=readonly, sync=sync, **lifetimes,
     )  # fmt: skip

@@ -59,9 +59,11 @@ def _set_mode(path: Path | str, mode: int) -> None:
         pass
 
 
-def write_file(path: str, head: bytes, views: list[memoryview], mode: int = 0o600) -> None:
+def write_file(
+    path: str, head: bytes, views: list[memoryview], mode: int = 0o600, *, fsync: bool = True
+) -> None:
     """Create ``path`` (it must not exist) with exactly ``mode``, write the blob straight from the
-    buffers, fsync."""
+    buffers, fsync unless ``fsync=False`` (the caller syncs later, or never)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(path, flags, mode)
     try:
@@ -74,7 +76,8 @@ def write_file(path: str, head: bytes, views: list[memoryview], mode: int = 0o60
         for view in views:
             f.write(view)  # large buffers go to the OS without a copy
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
 
 
 def fsync_dir(path: Path) -> None:

@@ -35,6 +35,7 @@ from mlxcache.backends.redis_chunks import (
     make_manifest,
 )
 from mlxcache.backends.redis_keys import KeyLayout, glob_escape
+from mlxcache.backends.redis_lookup import WalkMixin
 from mlxcache.backends.redis_reads import ReadMixin
 from mlxcache.backends.redis_routes import SingleRouter
 from mlxcache.backends.redis_scripts import SCRIPTS, SHAS
@@ -67,7 +68,7 @@ def pool_kwargs(timeout: float) -> dict[str, Any]:
     }
 
 
-class RedisBackend(ReadMixin, BackendBase):
+class RedisBackend(WalkMixin, ReadMixin, BackendBase):
     """Records in Redis under a key prefix, with a byte budget and LRU shared by all clients.
 
     ``url`` is any redis-py URL (``redis://``, ``rediss://``, ``unix://``); or pass a

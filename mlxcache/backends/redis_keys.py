@@ -16,6 +16,8 @@ spread evenly over the slot space (and so over the primaries of a cluster)::
     {prefix}{{tag}}i:chunks         HASH  key -> "gen:n" for chunked records
     {prefix}{{tag}}i:total          bytes of all indexed records of the group
     {prefix}{{tag}}i:clock          counter that orders accesses in the group
+    {prefix}{{tag}}i:s:{name}       HASH  label -> member keys: a sibling index (walk_chain)
+    {prefix}{{tag}}i:sibof          HASH  first member -> "name\nlabel" (a drop removes the entry)
 
 ``redis://`` uses one group (one exact LRU over everything); ``redis+cluster://`` 16 by default.
 """

@@ -3,7 +3,9 @@
 ``commit`` points a key at its value and evicts least recently used keys until the total fits
 the budget; ``touch`` checks a key's lifetime and refreshes its access order; ``drop`` forgets a
 key; ``stats`` reads the totals; ``evict`` trims the store to a budget; ``pin`` moves a key out
-of (or back into) the LRU. The key layout is described in :mod:`mlxcache.backends.redis_keys`.
+of (or back into) the LRU; ``walk`` answers a whole ``ChainWalk`` (one prefix lookup) with
+reads that refresh the LRU as ``touch`` does; ``sibling`` registers a sibling index entry. The
+key layout is described in :mod:`mlxcache.backends.redis_keys`.
 
 Every script gets ``ARGV[1..4]`` = key prefix, clock offset (ms), ttl (ms), idle_ttl (ms; 0 =
 none) and its own arguments from ``ARGV[5]``. Time is the server's ``TIME`` plus the offset
@@ -11,6 +13,9 @@ none) and its own arguments from ``ARGV[5]``. Time is the server's ``TIME`` plus
 """
 
 import hashlib
+
+from mlxcache.backends.redis_chunks import MAX_MANIFEST_BYTES
+from mlxcache.backends.redis_stream import FIRST_READ
 
 _LUA_COMMON = """
 local P = ARGV[1]
@@ -61,6 +66,18 @@ local function tick()
   return 1
 end
 
+-- a key that leads a sibling index entry takes the entry with it (i:sibof: key -> "name\\nlabel")
+local function forget_sibling(member)
+  local at = redis.call('HGET', P .. 'i:sibof', member)
+  if not at then return end
+  redis.call('HDEL', P .. 'i:sibof', member)
+  local nl = string.find(at, '\\n', 1, true)
+  if not nl then return end
+  local idx, label = P .. 'i:s:' .. string.sub(at, 1, nl - 1), string.sub(at, nl + 1)
+  local v = redis.call('HGET', idx, label)
+  if v and string.sub(v, 1, #member + 1) == member .. '\\n' then redis.call('HDEL', idx, label) end
+end
+
 -- forget a key everywhere; returns 1 if its value still existed
 local function drop(member)
   total()
@@ -77,6 +94,7 @@ local function drop(member)
     unlink_chunks(info)
     redis.call('HDEL', CHUNKS, member)
   end
+  forget_sibling(member)
   return redis.call('UNLINK', P .. 'v:' .. member)
 end
 
@@ -124,6 +142,29 @@ local function evict_to(maxb, keep)
   end
   if total() < 0 then redis.call('SET', TOTAL, 0) end
   return evicted
+end
+
+-- whether a key is stored and live; an expired or vanished one is dropped. refresh: a read
+-- (moves it to the recent end of the LRU and renews its idle time)
+local function live(m, refresh)
+  if redis.call('EXISTS', P .. 'v:' .. m) == 1 then
+    if redis.call('HEXISTS', PINS, m) == 1 then return true end
+    local now = now_ms()
+    local dl, at = redis.call('ZSCORE', EXP, m), redis.call('ZSCORE', ATIME, m)
+    if dl then dl = tonumber(dl) end
+    if (dl and dl <= now) or (IDLE > 0 and at and tonumber(at) <= now - IDLE) then
+      drop(m)
+      return false
+    end
+    if refresh and redis.call('ZSCORE', LRU, m) then
+      redis.call('ZADD', LRU, tick(), m)
+      redis.call('ZADD', ATIME, now, m)
+      if IDLE > 0 then expire_value(m, backstop(now, dl)) end
+    end
+    return true
+  end
+  if redis.call('HEXISTS', SIZE, m) == 1 then drop(m) end
+  return false
 end
 """
 
@@ -180,30 +221,7 @@ return {1, evict_to(maxb, member)}
 
 # KEYS: 8 index keys, value key. ARGV[5..]: member, refresh (1: a read, 0: a contains check).
 # -> 1 if the key is live; an expired or vanished key is dropped (0).
-_TOUCH = (
-    _LUA_COMMON
-    + """
-local m = ARGV[5]
-if redis.call('EXISTS', KEYS[9]) == 1 then
-  if redis.call('HEXISTS', PINS, m) == 1 then return 1 end
-  local now = now_ms()
-  local dl, at = redis.call('ZSCORE', EXP, m), redis.call('ZSCORE', ATIME, m)
-  if dl then dl = tonumber(dl) end
-  if (dl and dl <= now) or (IDLE > 0 and at and tonumber(at) <= now - IDLE) then
-    drop(m)
-    return 0
-  end
-  if ARGV[6] == '1' and redis.call('ZSCORE', LRU, m) then
-    redis.call('ZADD', LRU, tick(), m)
-    redis.call('ZADD', ATIME, now, m)
-    if IDLE > 0 then expire_value(m, backstop(now, dl)) end
-  end
-  return 1
-end
-if redis.call('HEXISTS', SIZE, m) == 1 then drop(m) end
-return 0
-"""
-)
+_TOUCH = _LUA_COMMON + "if live(ARGV[5], ARGV[6] == '1') then return 1 end\nreturn 0\n"
 
 # KEYS: 8 index keys. ARGV[5]: member.
 _DROP = _LUA_COMMON + "return drop(ARGV[5])\n"
@@ -276,6 +294,120 @@ return {1, evict_to(maxb, m)}
 """
 )
 
+# KEYS: 8 index keys. ARGV[5..]: n, label_size, unit, labels, number of ends, number of
+# extras, then n chain keys, n marks, n sibling index names, the ends (each: a count, then its
+# keys) and the extras. The chain walk of ``base.ChainWalk`` with the reads of ``get`` (LRU
+# refresh included) -> {k, rank, candidate keys, aligned, extras found (0/1), values read}
+_WALK = (
+    _LUA_COMMON
+    + """
+local n, size, unit = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+local labels, n_ends, n_extras = ARGV[8], tonumber(ARGV[9]), tonumber(ARGV[10])
+local at = 10
+local chain, marks, sibs, ends, extras = {}, {}, {}, {}, {}
+for i = 1, n do chain[i] = ARGV[at + i] end
+for i = 1, n do marks[i] = ARGV[at + n + i] end
+for i = 1, n do sibs[i] = ARGV[at + 2 * n + i] end
+at = at + 3 * n + 1
+for e = 1, n_ends do
+  local c = tonumber(ARGV[at])
+  local keys = {}
+  for j = 1, c do keys[j] = ARGV[at + j] end
+  ends[e] = keys
+  at = at + c + 1
+end
+for x = 1, n_extras do extras[x] = ARGV[at + x - 1] end
+
+local k = 0
+while k < n and live(chain[k + 1], false) do k = k + 1 end
+
+-- the candidate: an end (the whole chain found) or the longest live sibling entry
+local rank, members = 0, {}
+if k == n then
+  for e = 1, n_ends do
+    if live(ends[e][1], false) then rank, members = e, ends[e]; break end
+  end
+else
+  local idx = P .. 'i:s:' .. sibs[k + 1]
+  local label = string.sub(labels, k * size + 1, (k + 1) * size)
+  local found = {}
+  local count = redis.call('HLEN', idx)
+  if count > 0 and count <= 64 then
+    local all = redis.call('HGETALL', idx)
+    for i = 1, #all, 2 do
+      local f = all[i]
+      if #f > 0 and #f < size and #f % unit == 0 and string.sub(label, 1, #f) == f then
+        found[#found + 1] = {#f / unit, all[i + 1]}
+      end
+    end
+  elseif count > 64 then
+    local last = math.floor((size - 1) / unit)
+    for lo = 1, last, 512 do
+      local fields = {}
+      for m = lo, math.min(last, lo + 511) do
+        fields[#fields + 1] = string.sub(label, 1, m * unit)
+      end
+      local vals = redis.call('HMGET', idx, unpack(fields))
+      for i = 1, #fields do
+        if vals[i] then found[#found + 1] = {lo + i - 1, vals[i]} end
+      end
+    end
+  end
+  table.sort(found, function(a, b) return a[1] > b[1] end)
+  for _, c in ipairs(found) do
+    local keys = {}
+    for key in string.gmatch(c[2], '[^\\n]+') do keys[#keys + 1] = key end
+    if #keys > 0 and #keys <= 16 and live(keys[1], false) then rank, members = c[1], keys; break end
+  end
+end
+
+local aligned = 0
+for i = k, 1, -1 do
+  if live(marks[i], false) then aligned = i; break end
+end
+
+local values, flags = {}, {}
+local function read(m)
+  local v = false
+  if live(m, true) then  -- the first bytes and the size: a large value is streamed after
+    local key = P .. 'v:' .. m
+    v = {redis.call('GETRANGE', key, 0, FIRST_READ_BYTES - 1), redis.call('STRLEN', key)}
+  end
+  values[#values + 1] = v
+end
+for i = 1, k do read(chain[i]) end
+if rank > 0 then
+  for _, m in ipairs(members) do read(m) end
+elseif aligned > 0 then
+  read(marks[aligned])
+end
+for x = 1, n_extras do
+  if live(extras[x], false) then flags[x] = 1; read(extras[x]) else flags[x] = 0 end
+end
+return {k, rank, members, aligned, flags, values}
+"""
+)
+_WALK = _WALK.replace("FIRST_READ_BYTES", str(max(FIRST_READ, MAX_MANIFEST_BYTES)))
+
+# KEYS: 8 index keys. ARGV[5..]: sibling index name, label, members joined by newlines, max
+# entries (the index is emptied when full: its entries only help a walk find its candidates).
+# The first member points back at its entry (i:sibof), so dropping it removes the entry.
+_SIBLING = (
+    _LUA_COMMON
+    + """
+local idx = P .. 'i:s:' .. ARGV[5]
+if redis.call('HEXISTS', idx, ARGV[6]) == 0 and redis.call('HLEN', idx) >= tonumber(ARGV[8]) then
+  redis.call('UNLINK', idx)
+end
+redis.call('HSET', idx, ARGV[6], ARGV[7])
+local nl = string.find(ARGV[7], '\\n', 1, true)
+local first = ARGV[7]
+if nl then first = string.sub(ARGV[7], 1, nl - 1) end
+redis.call('HSET', P .. 'i:sibof', first, ARGV[5] .. '\\n' .. ARGV[6])
+return 1
+"""
+)
+
 SCRIPTS = {
     "commit": _COMMIT,
     "touch": _TOUCH,
@@ -283,5 +415,7 @@ SCRIPTS = {
     "stats": _STATS,
     "evict": _EVICT,
     "pin": _PIN,
+    "walk": _WALK,
+    "sibling": _SIBLING,
 }
 SHAS = {name: hashlib.sha1(body.encode()).hexdigest() for name, body in SCRIPTS.items()}

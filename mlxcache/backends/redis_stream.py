@@ -11,7 +11,8 @@ back short (a chunk evicted, the value deleted or replaced mid-read) raises :cla
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import bisect
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +21,10 @@ import redis
 from redis._parsers import _HiredisParser
 from redis.connection import DefaultParser
 
+from mlxcache import digests
 from mlxcache import format as st
 from mlxcache.digests import verify
-from mlxcache.errors import FormatError
+from mlxcache.errors import FormatError, UntrustedRecordError
 from mlxcache.record import Record
 from mlxcache.signing import Signer
 
@@ -213,7 +215,10 @@ def decode(src: Source, *, key: str, signer: Signer | None) -> Record:
         if not fill.full:
             raise FormatError("fewer tensor bytes than the header says")
 
-    verify(header, stream, key, signer)  # hashes each slice as it lands in the arrays
+    if header.version == 1:
+        verify(header, stream, key, signer)  # hashes each slice as it lands in the arrays
+    else:
+        _verify_pieces(header, views, stream, key, signer)
     if not fill.full:  # never return arrays whose bytes were not all read and hashed
         raise FormatError("the record's bytes were not all verified")
     header = st._with_meta(header)
@@ -225,3 +230,39 @@ def decode(src: Source, *, key: str, signer: Signer | None) -> Record:
     for t in header.tensors:
         st._check_array(t, arrays[t.name])
     return st._record(arrays, header.meta)
+
+
+def _verify_pieces(
+    header: st.Header,
+    views: list[memoryview],
+    stream: Callable[[], Iterator[memoryview]],
+    key: str,
+    signer: Signer | None,
+) -> None:
+    """Format 2: each 256 KiB piece hashed as soon as its last byte lands, then verified."""
+    if signer is not None and header.mac is None:  # refused before its tensors are fetched
+        raise UntrustedRecordError("unsigned record: this cache accepts only signed records")
+    ranges = digests.pieces(header.tensors)
+    begins = [t.begin for t in header.tensors]
+
+    def view(lo: int, hi: int) -> memoryview:  # a piece never crosses a tensor
+        i = bisect.bisect_right(begins, lo) - 1
+        while header.tensors[i].end <= lo:  # skip empty tensors that begin at lo too
+            i += 1
+        t = header.tensors[i]
+        return views[i][lo - t.begin : hi - t.begin]
+
+    first = digests.SUM if signer is None else digests.MAC
+    got: list[bytes] = []
+    pos = 0
+    for piece in stream():
+        pos += len(piece)
+        while len(got) < len(ranges) and ranges[len(got)][1] <= pos:
+            got.append(digests.leaf(first, [view(*ranges[len(got)])]))
+
+    def leaves(kind: str) -> Sequence[bytes]:
+        if kind == first:
+            return got
+        return [digests.leaf(kind, [view(lo, hi)]) for lo, hi in ranges]
+
+    digests.verify_leaves(header, leaves, key, signer)

@@ -22,7 +22,7 @@ from urllib.parse import SplitResult, quote
 import mlx.core as mx
 
 from mlxcache import format as fmt
-from mlxcache.backends.base import BackendBase, CacheBackend, is_persistent
+from mlxcache.backends.base import BackendBase, CacheBackend, is_persistent, put_all
 from mlxcache.backends.memory import detached
 from mlxcache.backends.writer import (
     DEFAULT_MAX_WAIT,
@@ -140,6 +140,18 @@ class TieredBackend(BackendBase):
             with self._lock:
                 self._touched = dict.fromkeys([*touched, *self._touched])
         return 0
+
+    def _put_many(self, entries: list[tuple[str, Record, int]]) -> tuple[int, list[None]]:
+        """Write-through: one ``put_many`` per tier (``file://``: one sync for the batch)."""
+        if self.writer is not None:
+            for key, record, size in entries:
+                self._put(key, record, size)
+            return 0, [None] * len(entries)
+        items = [(key, record) for key, record, _ in entries]
+        put_all(self.l1, items)
+        self._pass_touches()
+        put_all(self.l2, items)
+        return 0, [None] * len(entries)
 
     def _write_behind(self, key: str, gen: int, record: Record, touched: list[str]) -> None:
         with self._writing:

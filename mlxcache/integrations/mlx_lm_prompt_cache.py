@@ -28,6 +28,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlxcache.backends.base import CacheBackend
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.prefix import PrefixCache
+from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
 
 log = logging.getLogger("mlxcache")
@@ -83,7 +84,8 @@ class SharedPromptCache(LRUPromptCache):
     ``persist=False`` for a plain hot LRU. With ``background=True`` stores run on a
     ``BackgroundWriter`` thread (at most ``max_pending`` waiting: the caller waits for room
     rather than drop an answered request's store); callbacks of ``after_next_insert`` run when
-    the store is done, and ``flush()`` waits for all of them.
+    the store is done, and ``flush()`` waits for all of them. ``kv_bits``/``kv_group_size``
+    store the shared tier's KV quantized (``PrefixCache``; the hot tier keeps live caches).
     """
 
     def __init__(
@@ -95,12 +97,16 @@ class SharedPromptCache(LRUPromptCache):
         identity: Callable[[Any], str] = default_identity,
         block_size: int = 256,
         salt: str = "",
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
         persist: bool = True,
         background: bool = False,
         max_pending: int = 2,
     ) -> None:
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.identity, self.block_size, self.salt = identity, block_size, salt
+        kv_quant.make(kv_bits, kv_group_size)  # a bad setting raises here, not on first use
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.backend: CacheBackend | None = None
         self._owns_backend = False
         if persist:
@@ -134,7 +140,14 @@ class SharedPromptCache(LRUPromptCache):
         name = self.identity(model)
         pc = self._prefix.get(name)
         if pc is None:
-            pc = PrefixCache(self.backend, model=name, block_size=self.block_size, salt=self.salt)
+            pc = PrefixCache(
+                self.backend,
+                model=name,
+                block_size=self.block_size,
+                salt=self.salt,
+                kv_bits=self.kv_bits,
+                kv_group_size=self.kv_group_size,
+            )
             self._prefix[name] = pc
         return pc
 

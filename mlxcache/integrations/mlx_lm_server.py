@@ -19,6 +19,7 @@ from queue import Queue
 from typing import Any
 
 from mlxcache.model_id import model_identity
+from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
 
 log = logging.getLogger("mlxcache")
@@ -44,6 +45,16 @@ def _options() -> argparse.ArgumentParser:
         "--cache-block-size", type=int, default=256, help="tokens per stored block (256)"
     )
     p.add_argument("--cache-salt", default="", help="isolates tenants sharing one cache")
+    p.add_argument(
+        "--cache-kv-bits",
+        type=int,
+        default=None,
+        help="store KV quantized to this many bits (8, 4, ...; lossy, fewer bytes moved; "
+        "default exact). Not mlx-lm's --kv-bits, which quantizes the live cache",
+    )
+    p.add_argument(
+        "--cache-kv-group-size", type=int, default=64, help="values per scale (32, 64, 128)"
+    )
     p.add_argument(
         "--cache-model-name",
         default=None,
@@ -195,6 +206,8 @@ def make_run(options: argparse.Namespace):
             identity=identity,
             block_size=options.cache_block_size,
             salt=options.cache_salt,
+            kv_bits=options.cache_kv_bits,
+            kv_group_size=options.cache_kv_group_size,
             background=True,  # stores run beside generation; a response still waits for its own
         )
         log.info("mlxcache serve: prompt cache %r", prompt_cache)
@@ -232,6 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     else:
         try:
+            kv_quant.make(options.cache_kv_bits, options.cache_kv_group_size)
             options.backend = open_backend(options.cache)
         except (ValueError, TypeError, OSError) as exc:
             print(f"mlxcache: error: {exc}", file=sys.stderr)

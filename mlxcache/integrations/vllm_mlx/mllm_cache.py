@@ -18,7 +18,7 @@ import numpy as np
 
 from mlxcache.backends.base import CacheBackend
 from mlxcache.errors import RecordTooLargeError
-from mlxcache.integrations.vllm_mlx import payloads
+from mlxcache.integrations.vllm_mlx import payloads, sketch
 from mlxcache.integrations.vllm_mlx.entries import LRU, EntryStore, Slot
 from mlxcache.integrations.vllm_mlx.keys import (
     compute_image_hash,
@@ -134,11 +134,20 @@ def _valid_item(item: Any, key_prefix: str) -> bool:
         isinstance(item, dict)
         and isinstance(item.get("key"), str)
         and item["key"].startswith(key_prefix)
-        and isinstance(item.get("tokens"), bytes)
-        and len(item["tokens"]) % 8 == 0
+        and _item_sketch(item) is not None
         and isinstance(item.get("bytes", 0), int)
         and isinstance(item.get("time", 0.0), int | float)
     )
+
+
+def _item_sketch(item: dict[str, Any]) -> sketch.Sketch | None:
+    """The prefix sketch of an index line; lines written before sketches hold every token id."""
+    legacy = item.get("tokens")
+    if isinstance(legacy, bytes):
+        return (
+            sketch.sketch(np.frombuffer(legacy, dtype=np.int64)) if len(legacy) % 8 == 0 else None
+        )
+    return sketch.from_fields(item)
 
 
 class MLLMPrefixCacheManager:
@@ -186,7 +195,7 @@ class MLLMPrefixCacheManager:
             record = Record(meta={"v": _VERSION, "entries": items})
             try:
                 self._backend.put(INDEX_PREFIX + group, record)
-            except RecordTooLargeError as exc:  # lines hold token ids: huge prompts x many
+            except RecordTooLargeError as exc:  # only with a huge number of entries per images
                 logger.warning("MLLM cache: index of %s not stored: %s", group[:16], exc)
         else:
             self._backend.delete(INDEX_PREFIX + group)
@@ -349,10 +358,11 @@ class MLLMPrefixCacheManager:
     ) -> _Best | None:
         """Longest verified prefix among the indexed entries of one image group."""
         candidates = []
+        request = sketch.sketch(tokens)
         for item in index:
             if item["key"] == exact_key or item.get("dummy"):
                 continue
-            n = _common_prefix(np.frombuffer(item["tokens"], dtype=np.int64), tokens)
+            n = sketch.match_bound(_item_sketch(item), request)  # an upper bound: verified below
             if n > 0:
                 candidates.append((n, item["key"]))
         candidates.sort(reverse=True)
@@ -459,7 +469,7 @@ class MLLMPrefixCacheManager:
             return
         item = {
             "key": key,
-            "tokens": meta["tokens"],
+            **sketch.sketch(tokens).as_fields(),
             "bytes": nbytes,
             "vision": vision_embeddings is not None,
             "dummy": dummy,
