@@ -78,7 +78,7 @@ def _lookup_rows(label: str, uri: str, sizes: list[int], budget: float, ctx: Any
     rows: list[Row] = []
     backend = open_backend(uri)  # file:// with its default sync: one sync per put_many batch
     try:
-        pc = PrefixCache(backend, model="bench-growth", block_size=BLOCK)
+        pc = PrefixCache(backend, model="bench-growth", block_size=BLOCK, hot_bytes=0)
         tokens = list(range(1000, 1000 + PROMPT))
         pc.store(tokens, _tiny_cache(PROMPT))
         unseen = list(range(5000, 5000 + PROMPT))
@@ -168,7 +168,9 @@ def _restore_rows(
             for label, uri in uris.items():
                 backend = open_backend(uri + ("?timeout=300" if label == "redis://" else ""))
                 try:
-                    pc = PrefixCache(backend, model=f"bench-{model}", salt=uuid.uuid4().hex)
+                    pc = PrefixCache(
+                        backend, model=f"bench-{model}", salt=uuid.uuid4().hex, hot_bytes=0
+                    )
                     t0 = time.perf_counter()
                     pc.store(tokens[:n], cache)
                     put_s = time.perf_counter() - t0

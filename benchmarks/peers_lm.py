@@ -6,9 +6,12 @@ The cache: 22 layers of mlx-lm ``KVCache``, 4 KV heads, head dim 64, bf16 (TinyL
 
 - **hot cache**: mlx-lm 0.32's ``LRUPromptCache`` (``mlx_lm/server.py`` uses it) against
   ``mlxcache.integrations.mlx_lm_prompt_cache.SharedPromptCache`` (its hot tier plus a
-  ``PrefixCache`` on ``memory://`` or ``file://``): ``insert_cache`` of the 2k-token cache and
+  ``PrefixCache`` on ``memory://``, ``file://`` or ``redis://``): ``insert_cache`` of the
+  2k-token cache (ours stores on a writer thread; it is flushed, untimed, between runs) and
   ``fetch_nearest_cache`` of a request that extends it by 16 tokens (the nearest prefix), with
-  ``mx.eval`` of the returned cache (both return a copy a model can extend);
+  ``mx.eval`` of the returned cache (both return a copy a model can extend); and a
+  ``PrefixCache`` hot hit (its in-process tier, ``hot_bytes``) for the same request on each
+  backend, which also asks the backend (one ``contains_many``) whether it has a longer prefix;
 - **another worker**: the same fetch in a second ``SharedPromptCache`` whose hot tier is empty
   (restored from the shared tier) against mlx-lm ``load_prompt_cache`` of a saved file;
 - **files**: ``save_prompt_cache`` (+ fsync) / ``load_prompt_cache`` + eval against our
@@ -133,12 +136,20 @@ def run(tokens: int, ctx: Any) -> list[Row]:
     )
 
     backends = {"memory://": "memory://", "file://": f"file://{ctx.tmpdir / 'peers-lm'}"}
+    if getattr(ctx, "redis_url", None):
+        backends["redis://"] = ctx.redis_url
     for label, uri in backends.items():
         backend = open_backend(uri)
         holder: dict[str, Any] = {}
 
         def fresh(backend: Any = backend, holder: dict = holder) -> None:
-            holder["pc"] = SharedPromptCache(max_size=10, backend=backend, salt=uuid.uuid4().hex)
+            if "pc" in holder:  # the previous run's background store, finished untimed
+                holder["pc"].close()
+            pc = SharedPromptCache(max_size=10, backend=backend, salt=uuid.uuid4().hex)
+            if pc._writer is not None:  # a server's writer thread is already running: start
+                pc._writer.submit(lambda: None)  # this one here, untimed
+                pc.flush()
+            holder["pc"] = pc
 
         try:
             st = time_runs(
@@ -156,10 +167,11 @@ def run(tokens: int, ctx: Any) -> list[Row]:
                     st,
                     "mlx-lm LRUPromptCache insert_cache",
                     ins,
-                    note="hot tier + PrefixCache.store (256-token blocks)",
+                    note="hot tier + PrefixCache.store queued (256-token blocks)",
                 )
             )
             pc = holder["pc"]
+            pc.flush()
             st = time_runs(lambda pc=pc: fetch(pc), repeat, warmup=1, clear=False)
             rows.append(
                 _row(
@@ -172,6 +184,29 @@ def run(tokens: int, ctx: Any) -> list[Row]:
                     note="hot hit + one contains_many for a longer shared prefix",
                 )
             )
+            rows.append(_prefix_hot(backend, label, prompt, request, cache, repeat, lru_fetch))
+            if label == "redis://":  # where the probe is a round trip: without it too
+                final = SharedPromptCache(max_size=10, backend=backend, hot_probe=False)
+                final.insert_cache(MODEL_KEY, prompt, cache)
+                final.flush()
+                st = time_runs(lambda pc=final: fetch(pc), repeat, warmup=1, clear=False)
+                final.close()
+                rows.append(
+                    _row(
+                        f"SharedPromptCache ({label}) fetch_nearest_cache, hot_probe=False",
+                        tokens,
+                        nbytes,
+                        st,
+                        "mlx-lm LRUPromptCache fetch_nearest_cache",
+                        lru_fetch,
+                        note="hot hit, final: no backend call",
+                    )
+                )
+                rows.append(
+                    _prefix_hot(
+                        backend, label, prompt, request, cache, repeat, lru_fetch, probe=False
+                    )
+                )
             if label == "file://":
                 rows += _other_worker(
                     pc,
@@ -240,6 +275,46 @@ def run(tokens: int, ctx: Any) -> list[Row]:
         )
     )
     return rows
+
+
+def _prefix_hot(
+    backend: Any,
+    label: str,
+    prompt: list[int],
+    request: list[int],
+    cache: Any,
+    repeat: int,
+    lru_fetch: Stats,
+    probe: bool = True,
+) -> Row:
+    """A ``PrefixCache`` hot hit of the nearest prefix, as mlx-lm's fetch, on ``backend``
+    (``probe=False``: ``hot_probe=False``, no question to the backend)."""
+    from mlxcache import PrefixCache
+
+    salt = uuid.uuid4().hex
+    pc = PrefixCache(backend, model="tinyllama-shaped", salt=salt, hot_probe=probe)
+    pc.store(prompt, cache)
+
+    def lookup() -> None:
+        hit = pc.lookup(request)
+        if hit is None or hit.num_tokens != len(prompt):
+            raise RuntimeError(f"PrefixCache ({label}): not a hot hit of the stored prompt")
+        evaluate([[c.keys, c.values] for c in hit.prompt_cache])
+
+    st = time_runs(lookup, repeat, warmup=1, clear=False)
+    if pc.stats()["hot"]["hits"] < repeat:
+        raise RuntimeError(f"PrefixCache ({label}): lookups were not served by the hot tier")
+    pc.clear()
+    asked = "one contains_many" if probe else "no backend call"
+    return _row(
+        f"PrefixCache ({label}) hot lookup" + ("" if probe else ", hot_probe=False"),
+        len(prompt),
+        _nbytes(cache),
+        st,
+        "mlx-lm LRUPromptCache fetch_nearest_cache",
+        lru_fetch,
+        note=f"{len(prompt)} stored, request {len(request)}: hot tier + {asked}",
+    )
 
 
 def _other_worker(

@@ -123,7 +123,7 @@ def open_ours(backend: Any, model: Any, salt: str) -> Any:
     from mlxcache.model_id import model_identity
     from mlxcache.prefix import PrefixCache
 
-    return PrefixCache(backend, model=model_identity(model), salt=salt)
+    return PrefixCache(backend, model=model_identity(model), salt=salt, hot_bytes=0)
 
 
 def _child(system: str, store: str, n: int, salt: str) -> dict[str, Any]:

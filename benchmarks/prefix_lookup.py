@@ -134,8 +134,12 @@ def _measure(label: str, uri: str, blocks: int, ctx: Any) -> list[Row]:
     baseline = _default_path(uri) if redis else None
     rows: list[Row] = []
     try:
-        pc = PrefixCache(backend, model="bench-lookup", block_size=BLOCK)
-        base = PrefixCache(baseline, model="bench-lookup", block_size=BLOCK) if redis else None
+        pc = PrefixCache(backend, model="bench-lookup", block_size=BLOCK, hot_bytes=0)
+        base = (
+            PrefixCache(baseline, model="bench-lookup", block_size=BLOCK, hot_bytes=0)
+            if redis
+            else None
+        )
         fill_s = _fill(backend, pc.key_prefix, blocks)
         tokens = list(range(1000, 1000 + PROMPT))
         pc.store(tokens, _tiny_cache(PROMPT))

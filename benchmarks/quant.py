@@ -38,7 +38,7 @@ def _caches(backend: Any, tag: str) -> dict[str, Any]:
     salt = f"{tag}-{uuid.uuid4().hex}"
     return {
         mode: PrefixCache(
-            backend, model=f"bench-{MODEL}", salt=salt, kv_bits=b, kv_group_size=GROUP
+            backend, model=f"bench-{MODEL}", salt=salt, kv_bits=b, kv_group_size=GROUP, hot_bytes=0
         )
         for mode, b in MODES.items()
     }
@@ -256,7 +256,9 @@ def _logit_rows(ctx: Any) -> list[Row]:
         ref_logits, ref_tokens = _greedy(step, model, rest, step(model, prefix, None)[1], count)
         spread = (ref_logits.max() - ref_logits.min()).item()
         for mode, b in MODES.items():
-            pc = PrefixCache("memory://", model=name, block_size=64, kv_bits=b, kv_group_size=group)
+            pc = PrefixCache(
+                "memory://", model=name, block_size=64, kv_bits=b, kv_group_size=group, hot_bytes=0
+            )
             pc.store(prefix, cache)
             hit = pc.lookup(prefix)
             if hit is None or hit.num_tokens != n:

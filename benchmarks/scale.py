@@ -51,7 +51,9 @@ def _store_rows(tokens: int, arrays: dict[str, Any], ctx: Any, uri: str, where: 
 
     def fresh() -> PrefixCache:
         runs["n"] += 1  # a new salt: every run writes all its blocks
-        return PrefixCache(backend, model="bench", block_size=256, salt=f"run{runs['n']}")
+        return PrefixCache(
+            backend, model="bench", block_size=256, salt=f"run{runs['n']}", hot_bytes=0
+        )
 
     state: dict[str, PrefixCache] = {}
 

@@ -76,7 +76,9 @@ def run(lengths: list[int], ctx: Any) -> list[Row]:
                 try:
                     cold_t, warm_t = [], []
                     for _ in range(runs):
-                        cache = PrefixCache(backend, model=ident, salt=uuid.uuid4().hex)
+                        cache = PrefixCache(
+                            backend, model=ident, salt=uuid.uuid4().hex, hot_bytes=0
+                        )
                         t, cached = _ttft(model, cache, inputs)
                         if cached:
                             raise RuntimeError(f"{label}: a cold request found {cached} tokens")

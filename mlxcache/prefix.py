@@ -26,6 +26,7 @@ from mlxcache.backends.base import (
     walks_chains,
 )
 from mlxcache.backends.writer import BackgroundWriter
+from mlxcache.prefix_hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
 from mlxcache.record import Record
 from mlxcache.serializers import kv_quant
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
@@ -117,6 +118,9 @@ class PrefixCache:
     run starts, so text before an image is shared across images (see docs/prefix.md).
     ``kv_bits`` (8, 4, ...; None = exact, the default) stores block KV quantized in groups of
     ``kv_group_size``: lossy, fewer bytes moved; its own namespace (docs/prefix.md).
+    ``hot_bytes`` bounds the in-process hot tier of assembled prefixes (0: none; see
+    ``prefix_hot.py``); with ``hot_probe=False`` a hot entry answers without asking the backend
+    for a longer prefix (another worker's is then not used).
     """
 
     def __init__(
@@ -129,6 +133,8 @@ class PrefixCache:
         image_token_id: int | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        hot_bytes: int = DEFAULT_HOT_BYTES,
+        hot_probe: bool = True,
     ) -> None:
         self.kv_quant = kv_quant.make(kv_bits, kv_group_size)  # ValueError before opening
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
@@ -148,6 +154,9 @@ class PrefixCache:
         self.key_prefix = f"{KEY_ROOT}/{self._seed[:8].hex()}/"
         self._lock = threading.Lock()
         self.writer: BackgroundWriter | None = None  # made by the first background store
+        hot = HotPrefixes(hot_bytes, block_size, self._key)  # validates hot_bytes
+        self._hot: HotPrefixes | None = hot if hot_bytes else None
+        self.hot_probe = bool(hot_probe)
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
              "stores", "tokens_written", "records_written", "rejected", "records_pinned",
@@ -281,6 +290,10 @@ class PrefixCache:
         for key, rec in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if rec is not None:
                 todo.append((key, rec, 0))
+        if self._hot is not None and n and self.kv_quant is None:
+            # quantized: only what a backend hit gives (dequantized) goes hot, so a prefix
+            # decodes the same whether it comes from the hot tier or the backend
+            self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:
             written = self._write(todo, sibling)
             if pin:
@@ -345,6 +358,13 @@ class PrefixCache:
         """
         tokens = _tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
+        hot = self._hot.find(plan, require_extras) if self._hot is not None else None
+        need_vision = hot is not None and bool(plan.digests) and hot.vision is None
+        if hot is not None and (
+            not self.hot_probe
+            or self._beyond(plan, hot.num_tokens, need_vision) == (hot.num_tokens, False)
+        ):  # nothing longer in the backend (nor vision embeddings the entry lacks): no read
+            return self._counted(len(tokens), self._hot_serve(hot))
         walked = self._walk(plan)
         if walked is not None:
             match, recs = walked
@@ -355,7 +375,14 @@ class PrefixCache:
             fetch = self._fetch_keys(plan, match)
             recs = self.backend.get_many(fetch) if fetch else []
         hit = self._assemble(plan, match, recs, require_extras)
-        self._count(lookups=1, tokens_requested=len(tokens))
+        if hot is not None and (hit is None or hit.num_tokens < hot.num_tokens):
+            hit = self._hot_serve(hot)  # the longer records did not verify
+        elif self._hot is not None and hit is not None:
+            self._hot.keep_hit(plan, hit, require_extras, self._vision_key(plan))
+        return self._counted(len(tokens), hit)
+
+    def _counted(self, requested: int, hit: PrefixHit | None) -> PrefixHit | None:
+        self._count(lookups=1, tokens_requested=requested)
         if hit is None or not hit.num_tokens:
             self._count(misses=1)
         else:
@@ -510,16 +537,63 @@ class PrefixCache:
         *,
         images: Sequence[Any] = (),
         image_positions: Sequence[int] | None = None,
+        have: int = 0,
     ) -> int:
         """At most how many leading tokens ``lookup`` could restore, reading no record.
 
-        The same ``contains_many`` as ``lookup`` and nothing else: a caller that already has a
-        prefix of some length (an in-process tier) calls ``lookup`` only when this is longer.
+        At most the ``contains_many`` of ``lookup``: a caller that already has ``have`` tokens
+        (an in-process tier) gets ``have`` back when nothing longer is stored, and calls
+        ``lookup`` only when this is longer.
         """
         plan = self._plan(_tokens(token_ids), list(images), image_positions)
+        hot = self._hot.find(plan, False) if self._hot is not None else None
+        return self._beyond(plan, max(have, hot.num_tokens if hot else 0))[0]
+
+    def _probe(self, plan: _Plan) -> _Match:
         keys = self._probe_keys(plan)
-        match = self._match(plan, self.backend.contains_many(keys) if keys else [])
-        return match.k * self.block_size + match.pm  # a hit never ends past this
+        return self._match(plan, self.backend.contains_many(keys) if keys else [])
+
+    def _beyond(self, plan: _Plan, n: int, vision: bool = False) -> tuple[int, bool]:
+        """How long a backend hit could be, given ``n`` tokens at hand (``n`` when nothing is
+        longer), and (with ``vision``) whether the request's vision entry is stored.
+
+        When ``n`` lies in the request's last partial block, only a stored length past ``n``
+        can be longer: the tails at those lengths (and the vision key) are the one question
+        (none when ``n`` is the whole request); the full probe follows only when one exists.
+        """
+        bs = self.block_size
+        n_full, r = divmod(len(plan.tokens), bs)
+        a, p = divmod(n, bs)
+        vkey = self._vision_key(plan) if vision else None
+        if a >= n_full:
+            keys = [self._key("t", plan.partial(a, q)) for q in range(p + 1, r + 1)]
+            keys += [vkey] if vkey else []
+            found = self.backend.contains_many(keys) if keys else []
+            if not any(found[: r - p]):
+                return n, bool(vkey) and bool(found) and found[-1]
+        match = self._probe(plan)  # a hit never ends past k blocks and pm tokens
+        return max(n, match.k * bs + match.pm), bool(vkey) and match.vision
+
+    # ------------------------------------------------------------ the hot tier
+
+    def _hot_serve(self, entry: HotEntry) -> PrefixHit:
+        assert self._hot is not None
+        layers, extras, vision = self._hot.serve(entry)
+        if vision is not None:
+            self._count(vision_hits=1)
+        if entry.keys and self._hot.due_touch(entry):
+            self._touch(list(entry.keys))
+        return PrefixHit(entry.num_tokens, layers, extras, vision)
+
+    def _touch(self, keys: list[str]) -> None:
+        """Refresh the backend's LRU order of a hot entry's records, off the caller's thread."""
+        touch = getattr(self.backend, "touch_many", None)
+        if touch is None:
+            return
+        with self._lock:
+            if self.writer is None:
+                self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
+        self.writer.submit(lambda: touch(keys))
 
     # ------------------------------------------------------------ the rest
 
@@ -529,20 +603,26 @@ class PrefixCache:
             out: dict[str, Any] = dict(self._counts)
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         out["backend"] = self.backend.stats()
+        out["hot"] = self._hot.stats() if self._hot is not None else None
         if self.writer is not None:
             out["writer"] = self.writer.stats()
         return out
 
     def clear(self) -> int:
-        """Delete every entry of this model and salt (a key scan: an admin operation)."""
+        """Delete every entry of this model and salt (a key scan: an admin operation), the hot
+        tier's too."""
+        if self._hot is not None:
+            self._hot.clear()
         keys = list(self.backend.keys(self.key_prefix))
         return sum(self.backend.delete(k) for k in keys)
 
     def close(self) -> None:
         """Write what ``store(..., background=True)`` queued; close the backend if this object
-        opened it (from a URI)."""
+        opened it (from a URI); drop the hot tier."""
         if self.writer is not None:
             self.writer.close()
+        if self._hot is not None:
+            self._hot.clear()
         if self._owns_backend:
             self.backend.close()
 

@@ -139,12 +139,15 @@ def warm(
                     model, tokenizer, identity = models.get(item["model"])
                     cache = caches.get(identity)
                     if cache is None:
+                        # no hot tier: each prompt is looked up once, and _pin's lookup must
+                        # see what the backend kept
                         cache = caches[identity] = PrefixCache(
                             backend,
                             model=identity,
                             block_size=block_size,
                             kv_bits=kv_bits,
                             kv_group_size=kv_group_size,
+                            hot_bytes=0,
                         )
                     ids = prompt_ids(item, tokenizer)
                     done = prefill(model, ids, cache=cache)

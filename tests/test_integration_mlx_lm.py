@@ -486,7 +486,10 @@ def _broken(fail: str):
 
 @pytest.mark.parametrize("fail", ["lookup", "store", "stopped-redis"])
 def test_a_failing_cache_never_breaks_generation(fail, tiny_lm, caplog):
-    """A backend that raises, or a Redis that was stopped: the same tokens, uncached."""
+    """A backend that raises, or a Redis that was stopped: the same tokens, uncached.
+
+    The backend path: the hot tier is off (it would serve what this process stored).
+    """
     from redis_server import RedisServer
 
     from mlxcache import open_backend
@@ -500,11 +503,11 @@ def test_a_failing_cache_never_breaks_generation(fail, tiny_lm, caplog):
     if fail == "stopped-redis":
         server = RedisServer()
         backend = open_backend(f"{server.url}?timeout=0.5")
-        cache = PrefixCache(backend, model="tiny-mlx-lm-test", block_size=16)
+        cache = PrefixCache(backend, model="tiny-mlx-lm-test", block_size=16, hot_bytes=0)
         assert generate_tokens(model, ids, cache=cache, max_tokens=3).stored_tokens == 39
         server.close()  # the server dies under a cache that just worked
     else:
-        cache = PrefixCache(_broken(fail), model="tiny-mlx-lm-test", block_size=16)
+        cache = PrefixCache(_broken(fail), model="tiny-mlx-lm-test", block_size=16, hot_bytes=0)
     try:
         with caplog.at_level(logging.WARNING, logger="mlxcache"):
             for _ in range(2):

@@ -291,7 +291,9 @@ def test_a_failing_cache_never_breaks_generation(fail, caplog):
         backend = open_backend("redis://127.0.0.1:1/0?timeout=0.2")
     else:
         backend = _BrokenBackend.make(fail)
-    cache = PrefixCache(backend, model="tiny-qwen2-vl-test", block_size=16)
+    cache = PrefixCache(
+        backend, model="tiny-qwen2-vl-test", block_size=16, hot_bytes=0
+    )  # the backend path
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         for _ in range(2):
             r = generate_tokens(model, ids, pixel_values, cache=cache, max_tokens=3, **kwargs)

@@ -337,3 +337,19 @@ def test_mlx_lm_generation_resumes_from_8_bit_kv(tmp_path):
     diff = mx.abs(warm.first_logits - cold.first_logits).max().item()
     spread = (cold.first_logits.max() - cold.first_logits.min()).item()
     assert np.isfinite(diff) and diff <= 0.05 * spread, (diff, spread)
+
+
+def test_the_hot_tier_serves_what_the_backend_would():
+    """With kv_bits a prefix decodes the same from the hot tier as from the backend: the tier
+    keeps the dequantized hit, never the exact caches ``store`` was given."""
+    ids = prompt(40)
+    cache = kv_cache(40, 128)
+    pc = PrefixCache("memory://", model="m", block_size=BS, kv_bits=8)
+    pc.store(ids, [cache])
+    first = pc.lookup(ids).prompt_cache[0]
+    assert bits(first.keys[..., :40, :]) != bits(cache.keys[..., :40, :])  # really quantized
+    assert pc.stats()["hot"]["entries"] == 1
+    pc.backend.clear()  # the second answer can only come from the hot tier
+    again = pc.lookup(ids, require_extras=False)
+    assert again is not None and again.num_tokens == 40
+    assert bits(again.prompt_cache[0].keys) == bits(first.keys)

@@ -40,7 +40,7 @@ def kv_cache(n: int):
 
 def test_backend_and_prefix_metrics_parse_and_never_decrease(tmp_path):
     backend = mlxcache.open_backend(f"file://{tmp_path}")
-    pc = PrefixCache(backend, model="tiny", block_size=8)
+    pc = PrefixCache(backend, model="tiny", block_size=8, hot_bytes=0)  # backend metrics
     registry = CollectorRegistry()
     metrics.register(backend, pc, registry=registry)
     tokens = np.arange(20).tolist()

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import threading
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 from redis_server import RedisServer
 
+from mlxcache.backends.memory import MemoryBackend
 from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
 
 MODEL = ("tiny", None, None)
@@ -132,6 +134,7 @@ def test_redis_shared_by_two_workers():
         prompt = list(range(50, 90))
         a.fetch_nearest_cache(MODEL, prompt)
         a.insert_cache(MODEL, prompt + [1, 2], kv(prompt + [1, 2]))
+        assert a.flush(60)  # stores run on a's writer thread
         hit, rest = b.fetch_nearest_cache(MODEL, prompt)
         assert rest == prompt[-1:] and rows(hit) == [float(t) for t in prompt[:-1]]
         a.close()
@@ -165,6 +168,7 @@ def test_unstorable_cache_is_logged_not_raised(caplog):
     cache = SharedPromptCache(backend="memory://")
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         cache.insert_cache(MODEL, [1, 2, 3], [Opaque()])
+        assert cache.flush(60)
     assert cache.stats()["store_errors"] == 1
     assert "store failed" in caplog.text
     assert len(cache) == 1  # the hot tier kept it
@@ -214,6 +218,7 @@ def test_a_longer_prefix_from_another_worker_beats_a_shorter_hot_one(tmp_path):
     turn2 = turn1 + list(range(400, 480))
     a.fetch_nearest_cache(MODEL, turn2)
     a.insert_cache(MODEL, turn2 + [9], kv(turn2 + [9]))  # a computed the second turn
+    assert a.flush(60) and b.flush(60)  # both stores landed
     turn3 = turn2 + [9, 10, 11]
     hit, rest = b.fetch_nearest_cache(MODEL, turn3)
     assert rest == [10, 11]
@@ -237,3 +242,63 @@ def test_longest_bounds_lookup(tmp_path):
     for probe in (tokens, tokens[:40], tokens[:37], tokens[:36], tokens[:20], [5] + tokens):
         hit = pc.lookup(probe)
         assert pc.longest(probe) == (hit.num_tokens if hit else 0)
+
+
+class _GatedBackend(MemoryBackend):
+    """A memory backend whose puts wait for ``gate`` (a slow store) and count reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.probes = 0
+
+    def put(self, key, record):
+        self.gate.wait(30)
+        super().put(key, record)
+
+    def contains_many(self, keys):
+        self.probes += 1
+        return super().contains_many(keys)
+
+
+def test_insert_returns_before_the_store_and_close_writes_it():
+    backend = _GatedBackend()
+    cache = SharedPromptCache(backend=backend)  # background by default
+    prompt = list(range(1, 40))
+    cache.fetch_nearest_cache(MODEL, prompt)
+    cache.insert_cache(MODEL, prompt + [5], kv(prompt + [5]))  # returns, its puts wait
+    assert not list(backend.keys()) and not cache.flush(0.05)
+    # the hot tier answers meanwhile: the whole prompt but its last token, no backend probe
+    probes = backend.probes
+    hit, rest = cache.fetch_nearest_cache(MODEL, prompt)
+    assert rest == prompt[-1:] and rows(hit) == [float(t) for t in prompt[:-1]]
+    assert backend.probes == probes and cache.stats()["hot_hits"] == 1
+    backend.gate.set()
+    cache.close()  # flushes
+    assert len(list(backend.keys())) > 0
+    other = SharedPromptCache(backend=backend)
+    hit, rest = other.fetch_nearest_cache(MODEL, prompt + [5, 6])
+    assert rest == [6] and rows(hit) == [float(t) for t in prompt + [5]]
+    other.close()
+    with pytest.raises(ValueError):
+        SharedPromptCache(backend="memory://", hot_bytes=-1)
+
+
+def test_hot_probe_false_asks_the_backend_only_when_the_hot_tier_has_nothing():
+    backend = _GatedBackend()
+    backend.gate.set()
+    a = SharedPromptCache(backend=backend, hot_probe=False)
+    b = SharedPromptCache(backend=backend)
+    turn1 = list(range(1, 60))
+    a.insert_cache(MODEL, turn1, kv(turn1))
+    turn2 = turn1 + list(range(100, 140))
+    b.insert_cache(MODEL, turn2, kv(turn2))  # another worker computed more
+    assert a.flush(60) and b.flush(60)
+    probes = backend.probes
+    cache, rest = a.fetch_nearest_cache(MODEL, turn2 + [7])
+    assert rest == turn2[len(turn1) :] + [7] and backend.probes == probes  # hot answer is final
+    fresh = SharedPromptCache(backend=backend, hot_probe=False)
+    cache, rest = fresh.fetch_nearest_cache(MODEL, turn2 + [7])  # nothing hot: the backend
+    assert rest == [7] and rows(cache) == [float(t) for t in turn2]
+    for c in (a, b, fresh):
+        c.close()

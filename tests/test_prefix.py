@@ -185,7 +185,7 @@ def test_forged_or_broken_records_are_misses_never_wrong_hits(qwen, turn1):
     ids, cache = turn1
     other = prompt(40, seed=10)
     backend = MemoryBackend()
-    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    pc = PrefixCache(backend, model="qwen", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
     keys_a = set(backend.keys())
     pc.store(other, prefill(qwen, other)[1])
@@ -198,7 +198,7 @@ def test_forged_or_broken_records_are_misses_never_wrong_hits(qwen, turn1):
     assert pc.lookup(other) is None
     assert pc.stats()["rejected"] >= 1
     # a block whose arrays lost a layer stops the hit at the block before it
-    pc2 = PrefixCache(MemoryBackend(), model="qwen", block_size=BS)
+    pc2 = PrefixCache(MemoryBackend(), model="qwen", block_size=BS, hot_bytes=0)
     pc2.store(ids, cache)
     key1 = pc2._key("b", pc2._plan(np.asarray(ids), [], None).full(2)[1])
     rec = pc2.backend.get(key1)
@@ -282,7 +282,7 @@ def test_bad_arguments_fail_before_anything_is_written(turn1):
 def test_lookup_round_trips(turn1):
     ids, cache = turn1
     backend = CountingBackend()
-    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    pc = PrefixCache(backend, model="qwen", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
     backend.calls.clear()
     assert pc.lookup(ids).num_tokens == 40
@@ -387,7 +387,9 @@ def test_two_processes_share_file_and_redis(tmp_path, redis_url, qwen):
 
 def test_dead_backend_is_a_miss(turn1):
     ids, cache = turn1
-    pc = PrefixCache(open_backend("redis://127.0.0.1:1/0?timeout=0.2"), model="q", block_size=BS)
+    pc = PrefixCache(
+        open_backend("redis://127.0.0.1:1/0?timeout=0.2"), model="q", block_size=BS, hot_bytes=0
+    )
     pc.store(ids, cache)
     assert pc.lookup(ids) is None
 
@@ -424,7 +426,7 @@ def test_malformed_records_are_rejected_never_raised(turn1, kind, change):
     """A record of another format (or a forged one) under our key is a miss, not an exception."""
     ids, cache = turn1
     backend = MemoryBackend()
-    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    pc = PrefixCache(backend, model="qwen", block_size=BS, hot_bytes=0)
     pc.store(ids, cache, extras={"rope_deltas": mx.array([[0]])})
     _rewrite(backend, kind, change)
     for request in (ids, ids + [5, 6]):
@@ -442,7 +444,7 @@ def test_malformed_checkpoint_tail_is_a_miss(gemma):
     ids = prompt(40, seed=30)
     _, cache = prefill(gemma, ids)
     backend = MemoryBackend()
-    pc = PrefixCache(backend, model="gemma", block_size=BS)
+    pc = PrefixCache(backend, model="gemma", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
     _rewrite(backend, "tail", lambda m: m.update(ckpt=None))
     assert pc.lookup(ids) is None
@@ -471,11 +473,11 @@ def test_image_positions_after_the_placeholders_are_refused(qwen):
 def test_store_counts_only_what_the_backend_kept(turn1):
     ids, cache = turn1
     # every block record is larger than this budget: the backend refuses them all
-    pc = PrefixCache("memory://?max_bytes=1000", model="qwen", block_size=BS)
+    pc = PrefixCache("memory://?max_bytes=1000", model="qwen", block_size=BS, hot_bytes=0)
     assert pc.store(ids, cache) == 0
     assert pc.stats()["tokens_written"] == 0 and pc.lookup(ids) is None
     dead = open_backend("redis://127.0.0.1:1/0?timeout=0.2")
-    assert PrefixCache(dead, model="q", block_size=BS).store(ids, cache) == 0
+    assert PrefixCache(dead, model="q", block_size=BS, hot_bytes=0).store(ids, cache) == 0
 
 
 def test_hash_plan_of_a_long_prompt_is_linear():

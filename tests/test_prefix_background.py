@@ -118,7 +118,9 @@ def test_the_caller_may_change_its_cache_at_once(qwen):
 
 def test_a_full_queue_drops_the_store_and_counts_it(qwen):
     backend = GatedBackend()
-    pc = PrefixCache(backend, model="qwen", block_size=BS)
+    pc = PrefixCache(
+        backend, model="qwen", block_size=BS, hot_bytes=0
+    )  # the writer, not the hot tier
     pc.writer = BackgroundWriter(queue=1, full="drop")
     a, b = prompt(40, seed=3), prompt(40, seed=4)
     _, ca = prefill(qwen, a)

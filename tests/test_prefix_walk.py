@@ -1,6 +1,7 @@
 """One round trip per PrefixCache lookup on Redis (the ``walk_chain`` capability), on a real
 redis-server: round trips counted at redis-py's connection, and the same hits as the default
-``contains_many`` + ``get_many`` path on the same store (stale, evicted, forged entries too)."""
+``contains_many`` + ``get_many`` path on the same store (stale, evicted, forged entries too).
+The in-process hot tier is off (``hot_bytes=0``): these tests are about the backend path."""
 
 from __future__ import annotations
 
@@ -103,8 +104,8 @@ def pair(redis_url):
     walk = RedisBackend(redis_url)
     default = DefaultPath(redis_url)
     yield (
-        PrefixCache(walk, model="q", block_size=BS),
-        PrefixCache(default, model="q", block_size=BS),
+        PrefixCache(walk, model="q", block_size=BS, hot_bytes=0),
+        PrefixCache(default, model="q", block_size=BS, hot_bytes=0),
     )
     walk.clear()
     walk.close()
@@ -156,7 +157,7 @@ def test_hits_refresh_the_lru_like_get(redis_url, turn1):
     """A walk reads like get_many: what it read survives a budget that evicts the rest."""
     ids, cache = turn1
     backend = RedisBackend(redis_url)
-    pc = PrefixCache(backend, model="q", block_size=BS)
+    pc = PrefixCache(backend, model="q", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
     pc.store(prompt(40, seed=7), cache)  # another prompt, written later (more recent)
     assert pc.lookup(ids).num_tokens == 40  # now the first prompt is the recent one
@@ -214,8 +215,8 @@ def test_stale_index_entries_fall_back_to_the_next_candidate(pair, qwen):
 def test_evicted_blocks_and_budget_evictions_give_the_same_hits(redis_url, qwen, turn1):
     ids, cache = turn1
     walk = RedisBackend(redis_url, max_bytes=10**9)
-    pc = PrefixCache(walk, model="q", block_size=BS)
-    base = PrefixCache(DefaultPath(redis_url), model="q", block_size=BS)
+    pc = PrefixCache(walk, model="q", block_size=BS, hot_bytes=0)
+    base = PrefixCache(DefaultPath(redis_url), model="q", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
     turn2 = ids + prompt(50, seed=10)
     pc.store(turn2, prefill(qwen, turn2))
@@ -263,7 +264,7 @@ def test_forged_index_entries_are_never_a_wrong_hit(pair, qwen, turn1, caplog):
 
 def test_a_killed_redis_is_a_miss_and_a_log_line(redis_server, redis_url, turn1, caplog):
     ids, cache = turn1
-    pc = PrefixCache(RedisBackend(redis_url, timeout=0.5), model="q", block_size=BS)
+    pc = PrefixCache(RedisBackend(redis_url, timeout=0.5), model="q", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
     assert pc.lookup(ids).num_tokens == 40
     redis_server.stop()
@@ -337,8 +338,10 @@ def test_chunked_values_come_whole_with_one_more_round_trip(redis_url, turn1):
     """Values over chunk_size come back as manifests; their chunks take one more round trip."""
     ids, cache = turn1
     walk = RedisBackend(redis_url, chunk_size=1024)
-    pc = PrefixCache(walk, model="q", block_size=BS)
-    base = PrefixCache(DefaultPath(redis_url, chunk_size=1024), model="q", block_size=BS)
+    pc = PrefixCache(walk, model="q", block_size=BS, hot_bytes=0)
+    base = PrefixCache(
+        DefaultPath(redis_url, chunk_size=1024), model="q", block_size=BS, hot_bytes=0
+    )
     pc.store(ids, cache)
     turn2 = ids + prompt(30, seed=19)
     pc.lookup(ids), base.lookup(ids)
@@ -353,7 +356,7 @@ def test_chunked_values_come_whole_with_one_more_round_trip(redis_url, turn1):
 
 def test_sentinel_walks_in_one_round_trip(redis_sentinel, turn1):
     ids, cache = turn1
-    with PrefixCache(redis_sentinel.url, model="q", block_size=BS) as pc:
+    with PrefixCache(redis_sentinel.url, model="q", block_size=BS, hot_bytes=0) as pc:
         assert walks_chains(pc.backend)
         pc.store(ids, cache)
         pc.lookup(ids)
@@ -364,9 +367,9 @@ def test_sentinel_walks_in_one_round_trip(redis_sentinel, turn1):
 
 def test_cluster_takes_the_default_path_with_the_same_hits(redis_cluster, redis_url, turn1):
     ids, cache = turn1
-    with PrefixCache(redis_cluster.url, model="q", block_size=BS) as pc:
+    with PrefixCache(redis_cluster.url, model="q", block_size=BS, hot_bytes=0) as pc:
         assert not walks_chains(pc.backend)
-        single = PrefixCache(RedisBackend(redis_url), model="q", block_size=BS)
+        single = PrefixCache(RedisBackend(redis_url), model="q", block_size=BS, hot_bytes=0)
         for c in (pc, single):
             c.store(ids, cache)
         for request in (ids, ids + prompt(50, seed=22), prompt(40, 23)):
@@ -379,7 +382,7 @@ def test_cluster_takes_the_default_path_with_the_same_hits(redis_cluster, redis_
 def test_a_refused_partial_block_is_not_registered(redis_url, turn1):
     ids, cache = turn1
     backend = RedisBackend(redis_url, max_bytes=0)  # stores nothing: every put refused
-    pc = PrefixCache(backend, model="q", block_size=BS)
+    pc = PrefixCache(backend, model="q", block_size=BS, hot_bytes=0)
     assert pc.store(ids, cache) == 0
     index, _ = sibling_index(pc, ids, 2)
     assert not backend.client.exists(index)

@@ -281,7 +281,7 @@ def test_prefix_walk_streams_large_blocks(redis_url, monkeypatch):
         caches.append(c)
     ids = list(range(1, 41))
     streamed = during_stream(monkeypatch, -1, lambda: None)
-    with PrefixCache(redis_url, model="m", block_size=16) as pc:
+    with PrefixCache(redis_url, model="m", block_size=16, hot_bytes=0) as pc:
         assert pc.backend._can_walk()
         pc.store(ids, caches)
         hit = pc.lookup(ids)

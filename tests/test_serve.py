@@ -274,7 +274,8 @@ def test_the_end_of_a_response_waits_for_its_store():
     c = KVCache()
     c.update_and_fetch(mx.zeros((1, 1, 3, 4)), mx.zeros((1, 1, 3, 4)))
     cache.insert_cache(("m", None, None), [1, 2, 3], [c])  # ... until its cache is stored
-    assert q.get_nowait() is None and len(list(cache.backend.keys(""))) > 0
+    # the store runs on the writer thread; the end comes once it is done
+    assert q.get(timeout=30) is None and len(list(cache.backend.keys(""))) > 0
     # without any insert (a failed request), the end still comes, after the timeout
     held = _HeldEnd(q, SharedPromptCache(backend="memory://"), timeout=0.01)
     held.put(None)

@@ -2,9 +2,10 @@
 
 ``SharedPromptCache`` is a drop-in ``LRUPromptCache`` (mlx-lm 0.32: same methods, arguments,
 return values and ``cache_type`` handling) whose hot tier is mlx-lm's own LRU of live caches,
-held to its entry and byte budget, over a ``PrefixCache`` on any mlxcache URI. Every insert is
-stored to the backend before ``insert_cache`` returns; a fetch the hot tier cannot answer is
-looked up there, so a second worker or a restarted server finds what the first one computed.
+held to its entry and byte budget, over a ``PrefixCache`` on any mlxcache URI. An insert is
+stored to the backend on a writer thread (``flush()`` and ``close()`` wait for it), so it costs
+about what mlx-lm's does; a fetch the hot tier cannot answer is looked up there, so a second
+worker or a restarted server finds what the first one computed.
 A failing backend (a dead Redis, a full disk, a cache class it cannot store) is a miss and a log
 line, never an exception into the server.
 """
@@ -81,11 +82,17 @@ class SharedPromptCache(LRUPromptCache):
     mlx-lm's class). ``backend`` is a URI or a ``CacheBackend`` (None: ``$MLXCACHE_URL``, else
     the embedded default). ``identity(model_key)`` names a model for the shared keys (two
     processes share KV only when it matches; default: the model key's paths). Set
-    ``persist=False`` for a plain hot LRU. With ``background=True`` stores run on a
-    ``BackgroundWriter`` thread (at most ``max_pending`` waiting: the caller waits for room
-    rather than drop an answered request's store); callbacks of ``after_next_insert`` run when
-    the store is done, and ``flush()`` waits for all of them. ``kv_bits``/``kv_group_size``
-    store the shared tier's KV quantized (``PrefixCache``; the hot tier keeps live caches).
+    ``persist=False`` for a plain hot LRU. Stores run on a ``BackgroundWriter`` thread (at
+    most ``max_pending`` waiting: the caller waits for room rather than drop an answered
+    request's store; ``background=False`` stores before ``insert_cache`` returns); callbacks
+    of ``after_next_insert`` run when the store is done, and ``flush()`` waits for all of them.
+    ``hot_bytes`` is the ``PrefixCache`` hot tier of each model (default 0: mlx-lm's LRU is
+    the hot tier, and ``max_bytes`` stays the whole in-process budget). With
+    ``hot_probe=False`` a hot answer is final (the backend is asked only when the hot tier has
+    nothing, e.g. after a restart), as in mlx-lm: no round trip, but a longer prefix another
+    worker stored is not used.
+    ``kv_bits``/``kv_group_size`` store the shared tier's KV quantized (``PrefixCache``; the
+    hot tier keeps live caches).
     """
 
     def __init__(
@@ -100,13 +107,18 @@ class SharedPromptCache(LRUPromptCache):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         persist: bool = True,
-        background: bool = False,
+        background: bool = True,
         max_pending: int = 2,
+        hot_bytes: int = 0,
+        hot_probe: bool = True,
     ) -> None:
+        if isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0:
+            raise ValueError(f"hot_bytes must be an int >= 0, got {hot_bytes!r}")
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.identity, self.block_size, self.salt = identity, block_size, salt
         kv_quant.make(kv_bits, kv_group_size)  # a bad setting raises here, not on first use
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.hot_bytes, self.hot_probe = hot_bytes, bool(hot_probe)
         self.backend: CacheBackend | None = None
         self._owns_backend = False
         if persist:
@@ -147,6 +159,8 @@ class SharedPromptCache(LRUPromptCache):
                 salt=self.salt,
                 kv_bits=self.kv_bits,
                 kv_group_size=self.kv_group_size,
+                hot_bytes=self.hot_bytes,
+                hot_probe=self.hot_probe,
             )
             self._prefix[name] = pc
         return pc
@@ -169,7 +183,8 @@ class SharedPromptCache(LRUPromptCache):
             self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
         hot = len(tokens) - len(rest) if cache is not None else 0
-        hit = self._lookup(model, tokens, hot) if hot < len(tokens) - 1 else None
+        ask = hot < len(tokens) - 1 and (self.hot_probe or cache is None)
+        hit = self._lookup(model, tokens, hot) if ask else None
         if hit is not None:
             self._count(backend_hits=1, tokens_backend=hit.num_tokens)
             return hit.prompt_cache, tokens[hit.num_tokens :]
@@ -183,8 +198,8 @@ class SharedPromptCache(LRUPromptCache):
         """A backend hit longer than ``have`` tokens (at most ``len(tokens) - 1``), or None."""
         try:
             pc = self.prefix_cache(model)
-            if pc is None or len(tokens) < 2 or pc.longest(tokens[:-1]) <= have:
-                return None  # one contains_many: nothing longer there, nothing read
+            if pc is None or len(tokens) < 2 or pc.longest(tokens[:-1], have=have) <= have:
+                return None  # one contains_many (of the lengths past ``have``), nothing read
             hit = pc.lookup(tokens[:-1])
         except Exception as e:  # a failing store is a miss, never an error in the server
             log.warning("mlx-lm prompt cache: lookup failed, running uncached: %s", e)
