@@ -3,7 +3,9 @@
 The child builds what it needs (the arrays for a put, an open backend for a get), resets the
 kernel's high-water mark (``/proc/self/clear_refs``), runs the operation once and reports
 ``VmHWM - VmRSS before``. For a put the floor is 0 (the arrays already exist); for a get it is
-1.0x when the returned arrays are a new copy (memory:// hands out views: 0).
+1.0x when the returned arrays are a new copy (memory:// hands out views: 0). Redis is measured
+as configured (hiredis when installed), signed, and with redis-py's pure-Python reply parser;
+its rows note the requests one operation sent.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from benchmarks.common import Row, Stats, have
 
 SECTION = "rss"
 TARGET = 1.2
+SECRET_VAR = "MLXCACHE_RSS_SECRET"
+# Redis variants: the child of "redis-python" cannot import hiredis; "redis-signed" signs.
+_REDIS = ("redis", "redis-signed", "redis-python")
 
 
 def _status_kb() -> dict[str, int]:
@@ -64,6 +69,7 @@ def child(op: str, target: str, tokens: int, uri: str, path: str) -> dict[str, A
     key = f"rss-{tokens}"
     if target == "redis-raw":
         return _raw_redis(op, tokens, uri)
+    sends = _count_sends() if target in _REDIS else None
     backend = open_backend(uri) if target != "mx" else None
     arrays = kv_arrays(tokens) if op == "put" or target == "memory" else None
     nbytes = payload_bytes(arrays) if arrays else 0
@@ -71,6 +77,8 @@ def child(op: str, target: str, tokens: int, uri: str, path: str) -> dict[str, A
         backend.put(key, Record(arrays=arrays))  # the store holds its own reference
         arrays = None
     record = Record(arrays=arrays) if arrays else None
+    if sends is not None:
+        _ = key in backend  # connects (and loads scripts) first: count only the operation
     gc.collect()
     mx.clear_cache()
     before = _reset_peak()
@@ -82,15 +90,34 @@ def child(op: str, target: str, tokens: int, uri: str, path: str) -> dict[str, A
             evaluate(result)
             nbytes = sum(a.nbytes for a in result.values())
     elif op == "put":
+        if sends is not None:
+            sends.clear()
         backend.put(key, record)
     else:
+        if sends is not None:
+            sends.clear()
         result = backend.get(key)
         if result is None:
             raise SystemExit(f"{target}: no entry {key!r} to get")
         evaluate(result)
         nbytes = result.nbytes
     peak = _peak_kb()
-    return {"before_kb": before, "peak_kb": peak, "payload": nbytes}
+    return {"before_kb": before, "peak_kb": peak, "payload": nbytes, "sends": len(sends or [])}
+
+
+def _count_sends() -> list[int]:
+    """Count the requests redis-py writes (a pipeline is one; each refill of a stream one)."""
+    from redis.connection import Connection
+
+    sent: list[int] = []
+    real = Connection.send_packed_command
+
+    def counted(self: Any, command: Any, check_health: bool = True) -> None:
+        sent.append(1)
+        real(self, command, check_health)
+
+    Connection.send_packed_command = counted  # type: ignore[method-assign]
+    return sent
 
 
 def _raw_redis(op: str, tokens: int, uri: str) -> dict[str, Any]:
@@ -127,6 +154,7 @@ def _spawn(op: str, target: str, tokens: int, uri: str, path: str) -> dict[str, 
     # glibc would keep freed blocks resident and reuse them, hiding a later allocation: a fixed
     # mmap threshold returns every large block to the kernel when it is freed.
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
+    env[SECRET_VAR] = "rss-benchmark-secret"
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(f"rss child {op} {target} failed: {done.stderr.strip()[-2000:]}")
@@ -142,6 +170,11 @@ def run(sizes: list[int], ctx: Any) -> list[Row]:
         targets.append(("redis-raw", ctx.redis_url))
     if ctx.redis_url and have("mlxcache.backends.redis"):
         targets.append(("redis", ctx.redis_url + "?timeout=300"))
+        if not ctx.smoke:
+            targets.append(
+                ("redis-signed", ctx.redis_url + f"?timeout=300&secret_env={SECRET_VAR}")
+            )
+            targets.append(("redis-python", ctx.redis_url + "?timeout=300"))
     runs = 1 if ctx.smoke else max(1, min(ctx.repeat, 2))  # deterministic: 2 show it
     rows: list[Row] = []
     sf = str(ctx.tmpdir / "rss.safetensors")
@@ -157,6 +190,8 @@ def run(sizes: list[int], ctx: Any) -> list[Row]:
                     "memory": f"memory:// {op}",
                     "file": f"file:// {op}",
                     "redis": f"redis:// {op}",
+                    "redis-signed": f"signed redis:// {op}",
+                    "redis-python": f"redis:// {op} (pure-Python parser)",
                 }[target]
                 stats = Stats.of(ratios)
                 reference = target in ("mx", "redis-raw")
@@ -172,7 +207,7 @@ def run(sizes: list[int], ctx: Any) -> list[Row]:
                         ratio_kind="extra RSS / payload (lower is better)",
                         target=None if reference else f"< {TARGET:g}x",
                         met=None if reference else stats.median < TARGET,
-                        note="reference" if reference else "",
+                        note="reference" if reference else _note(target, results[0]),
                     )
                 )
         if ctx.redis_url:
@@ -192,14 +227,23 @@ def run(sizes: list[int], ctx: Any) -> list[Row]:
     return rows
 
 
+def _note(target: str, result: dict[str, Any]) -> str:
+    if target not in _REDIS:
+        return ""
+    n = result.get("sends", 0)
+    return f"{n} request{'s' if n != 1 else ''}"
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="one peak-RSS measurement (internal)")
     p.add_argument("op", choices=["put", "get"])
-    p.add_argument("target", choices=["mx", "memory", "file", "redis", "redis-raw"])
+    p.add_argument("target", choices=["mx", "memory", "file", "redis-raw", *_REDIS])
     p.add_argument("tokens", type=int)
     p.add_argument("uri")
     p.add_argument("path")
     a = p.parse_args(argv)
+    if a.target == "redis-python":
+        sys.modules["hiredis"] = None  # type: ignore[assignment]  # redis-py then parses in Python
     print(json.dumps(child(a.op, a.target, a.tokens, a.uri, a.path)))
 
 

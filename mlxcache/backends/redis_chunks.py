@@ -49,12 +49,3 @@ def parse_manifest(value: bytes) -> dict[str, Any] | None:
     if not (1 <= n <= MAX_CHUNKS and n <= size <= MAX_SIZE):
         return None
     return {"gen": gen, "n": n, "size": size}
-
-
-def complete_chunks(m: dict[str, Any], chunks: list[bytes | None]) -> list[bytes] | None:
-    """The chunks of a manifest if all are there and add up to its size, else None."""
-    if len(chunks) != m["n"] or any(not isinstance(c, bytes | bytearray) for c in chunks):
-        return None
-    if sum(len(c) for c in chunks) != m["size"]:  # type: ignore[arg-type]
-        return None
-    return chunks  # type: ignore[return-value]

@@ -2,8 +2,9 @@
 
 One server (``redis://``, ``redis+sentinel://``) with one key group walks the chain, picks the
 candidate from a sibling index (a hash ``{prefix}{tag}i:s:{name}``), refreshes the LRU of what
-it reads and returns the values, all in one round trip. A Cluster, or more than one group,
-spreads a chain's keys over slots: there ``walk_chain`` answers None and the caller uses
+it reads and returns the first 1 MiB and the size of each value, all in one round trip (a
+larger value then streams, :mod:`mlxcache.backends.redis_stream`). A Cluster, or more than
+one group, spreads a chain's keys over slots: there ``walk_chain`` answers None and the caller uses
 ``contains_many``/``get_many``. See docs/backends.md ("Chain walks").
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 from mlxcache.backends.base import ChainFound, ChainWalk
-from mlxcache.backends.redis_chunks import is_manifest
 
 MAX_SIBLINGS = 1024  # entries of one sibling index before it is emptied and starts again
 
@@ -46,13 +46,20 @@ class WalkMixin:
         read += [x for x, f in zip(walk.extras, extras, strict=True) if f]
         if len(read) != len(values):
             raise ValueError(f"walk script read {len(values)} values for {len(read)} keys")
-        # a value over chunk_size is a manifest: its chunks are read by the usual path
-        # (GET + LRU refresh, then the chunks: two more round trips, only for such values)
-        big = [i for i, v in enumerate(values) if isinstance(v, bytes) and is_manifest(v)]
-        if big:
-            for i, v in zip(big, self._fetch([read[i] for i in big]), strict=True):
-                values[i] = v
-        records = [self._decode(key, v) for key, v in zip(read, values, strict=True)]
+        # the script read each value's first bytes and size (see ReadMixin._settle): a small
+        # value is whole, a chunked one costs one more round trip, a large one streams
+        found = [isinstance(v, list) and len(v) == 2 for v in values]
+        heads = [
+            v[0] if f and isinstance(v[0], bytes) else b""
+            for v, f in zip(values, found, strict=True)
+        ]
+        sizes = [int(v[1]) if f else 0 for v, f in zip(values, found, strict=True)]
+        items = [(key, 0) for key in read]  # one key group: walks need it
+        values = self._settle(self.client, items, heads, sizes, found)
+        records = []
+        for i, key in enumerate(read):
+            value, values[i] = values[i], None
+            records.append(self._decode(key, value))
         return ChainFound(k, rank, members, aligned, extras, records)
 
     def _add_sibling(self, index: str, label: bytes, members: list[str]) -> None:

@@ -14,6 +14,9 @@ none) and its own arguments from ``ARGV[5]``. Time is the server's ``TIME`` plus
 
 import hashlib
 
+from mlxcache.backends.redis_chunks import MAX_MANIFEST_BYTES
+from mlxcache.backends.redis_stream import FIRST_READ
+
 _LUA_COMMON = """
 local P = ARGV[1]
 local OFFSET, TTL, IDLE = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -366,7 +369,10 @@ end
 local values, flags = {}, {}
 local function read(m)
   local v = false
-  if live(m, true) then v = redis.call('GET', P .. 'v:' .. m) end
+  if live(m, true) then  -- the first bytes and the size: a large value is streamed after
+    local key = P .. 'v:' .. m
+    v = {redis.call('GETRANGE', key, 0, FIRST_READ_BYTES - 1), redis.call('STRLEN', key)}
+  end
   values[#values + 1] = v
 end
 for i = 1, k do read(chain[i]) end
@@ -381,6 +387,7 @@ end
 return {k, rank, members, aligned, flags, values}
 """
 )
+_WALK = _WALK.replace("FIRST_READ_BYTES", str(max(FIRST_READ, MAX_MANIFEST_BYTES)))
 
 # KEYS: 8 index keys. ARGV[5..]: sibling index name, label, members joined by newlines, max
 # entries (the index is emptied when full: its entries only help a walk find its candidates).
