@@ -17,16 +17,12 @@ import numpy as np
 
 from mlxcache import hashing, prefix_walk
 from mlxcache import prefix_records as pr
-from mlxcache.backends.base import (
-    CacheBackend,
-    add_sibling,
-    log,
-    put_all,
-    walk_chain,
-    walks_chains,
-)
+from mlxcache.backends.base import CacheBackend, log, put_all
+from mlxcache.backends.chains import add_sibling, walk_chain, walks_chains
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.prefix_hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
+from mlxcache.prefix_plan import Match, Plan, as_tokens
+from mlxcache.prefix_restore import restore
 from mlxcache.record import Record
 from mlxcache.serializers import kv_quant
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
@@ -48,65 +44,6 @@ class PrefixHit:
     prompt_cache: list[Any] | None
     extras: dict[str, mx.array] = field(default_factory=dict)
     vision_embeddings: Any = None
-
-
-def _tokens(token_ids: Any) -> np.ndarray:
-    if isinstance(token_ids, mx.array):
-        token_ids = np.array(token_ids)
-    t = np.asarray(token_ids)
-    if t.ndim == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.ndim != 1 or (t.size and t.dtype.kind not in "iu"):
-        raise TypeError("token_ids must be a 1-D sequence of ints")
-    return t.astype(np.int64, copy=False)
-
-
-class _Plan:
-    """The hashes of one request: its tokens, its images and where the images start."""
-
-    def __init__(self, seed: bytes, tokens: np.ndarray, bs: int, digests, positions) -> None:
-        self.seed, self.tokens, self.bs = seed, tokens, bs
-        self.digests, self.positions = digests, positions
-        self._full: list[bytes] | None = None
-
-    def extra(self, start: int, end: int) -> bytes:
-        if not self.digests:
-            return b""
-        if self.positions is None:  # unknown positions: every image keys block 0
-            return hashing.all_images_extra(self.digests) if start == 0 else b""
-        return hashing.placed_images_extra(self.digests, self.positions, start, end)
-
-    def parent(self, i: int) -> bytes:
-        return self.full(i)[i - 1] if i else self.seed
-
-    def full(self, n: int) -> list[bytes]:
-        """Hashes of the first ``n`` whole blocks (every whole block hashed once, in one pass)."""
-        if self._full is None:
-            bs = self.bs
-            extras = [self.extra(a, a + bs) for a in range(0, len(self.tokens) - bs + 1, bs)]
-            self._full = hashing.block_hashes(self.seed, self.tokens, bs, extras)
-        return self._full[:n]
-
-    def partial(self, i: int, r: int) -> bytes:
-        """Hash of the first ``r`` tokens of block ``i`` (the key of a stored length)."""
-        a = i * self.bs
-        return hashing.chain(self.parent(i), self.tokens[a : a + r], self.extra(a, a + r))
-
-    def block_tokens(self, i: int, r: int | None = None) -> bytes:
-        a = i * self.bs
-        return hashing.tokens_bytes(self.tokens[a : a + (self.bs if r is None else r)])
-
-
-@dataclass
-class _Match:
-    """Where a lookup's prefix can end: ``k`` leading whole blocks found, ``pm`` the longest
-    stored length inside block ``k`` (0: none), ``aligned`` the longest run of whole blocks
-    with a tail, and whether the vision entry exists."""
-
-    k: int
-    pm: int
-    aligned: int
-    vision: bool
 
 
 class PrefixCache:
@@ -167,7 +104,7 @@ class PrefixCache:
     def _key(self, kind: str, digest: bytes) -> str:
         return f"{self.key_prefix}{kind}/{digest.hex()}"
 
-    def _plan(self, tokens: np.ndarray, images: Sequence[Any], positions: Any) -> _Plan:
+    def _plan(self, tokens: np.ndarray, images: Sequence[Any], positions: Any) -> Plan:
         digests = [hashing.image_digest(im) for im in images]
         if positions is not None:
             positions = [int(p) for p in positions]
@@ -180,7 +117,7 @@ class PrefixCache:
         elif digests and self.image_token_id is not None:
             runs = hashing.image_runs(tokens, self.image_token_id)
             positions = runs if len(runs) == len(digests) else None
-        return _Plan(self._seed, tokens, self.block_size, digests, positions)
+        return Plan(self._seed, tokens, self.block_size, digests, positions)
 
     def _check_positions(self, tokens: np.ndarray, positions: list[int]) -> None:
         """Explicit positions may not start an image after its first placeholder token.
@@ -200,7 +137,7 @@ class PrefixCache:
                 f"(runs of image_token_id start at {runs})"
             )
 
-    def _vision_key(self, plan: _Plan) -> str | None:
+    def _vision_key(self, plan: Plan) -> str | None:
         if not plan.digests:
             return None
         return self._key("v", hashing.vision_digest(self._seed, plan.digests))
@@ -239,7 +176,7 @@ class PrefixCache:
         """
         if pin and not getattr(self.backend, "pinnable", False):
             raise NotImplementedError(f"{type(self.backend).__name__} cannot pin entries")
-        tokens = _tokens(token_ids)
+        tokens = as_tokens(token_ids)
         images = list(images)
         if vision_embeddings is not None and not images:
             raise ValueError("vision_embeddings are keyed by their images: pass images=")
@@ -356,7 +293,7 @@ class PrefixCache:
         inside the request's whole blocks) and one ``get_many``. With ``require_extras`` a
         hit must end at a stored length (where extras were kept).
         """
-        tokens = _tokens(token_ids)
+        tokens = as_tokens(token_ids)
         plan = self._plan(tokens, list(images), image_positions)
         hot = self._hot.find(plan, require_extras) if self._hot is not None else None
         need_vision = hot is not None and bool(plan.digests) and hot.vision is None
@@ -389,7 +326,7 @@ class PrefixCache:
             self._count(hits=1, tokens_reused=hit.num_tokens)
         return hit
 
-    def _walk(self, plan: _Plan) -> tuple[_Match, list] | None:
+    def _walk(self, plan: Plan) -> tuple[Match, list] | None:
         """The match and the records of ``_fetch_keys`` from one ``walk_chain``; None where the
         backend cannot walk or its answer does not fit the request (see prefix_walk)."""
         vkey = self._vision_key(plan)
@@ -397,9 +334,9 @@ class PrefixCache:
             return None
         found = walk_chain(self.backend, prefix_walk.chain_walk(plan, self._key, vkey))
         read = None if found is None else prefix_walk.read_walk(plan, self._key, found)
-        return None if read is None else (_Match(*read[:4]), read[4])
+        return None if read is None else (Match(*read[:4]), read[4])
 
-    def _probe_keys(self, plan: _Plan) -> list[str]:
+    def _probe_keys(self, plan: Plan) -> list[str]:
         """What one ``contains_many`` asks: every whole block, the tail at each whole block,
         the tail at each length inside the last partial block, the vision entry."""
         n_full, r = divmod(len(plan.tokens), self.block_size)
@@ -409,7 +346,7 @@ class PrefixCache:
         vkey = self._vision_key(plan)
         return keys + ([vkey] if vkey else [])
 
-    def _match(self, plan: _Plan, found: list[bool]) -> _Match:
+    def _match(self, plan: Plan, found: list[bool]) -> Match:
         """The longest candidates ``found`` allows (a second ``contains_many``, of at most
         ``block_size - 1`` keys, when the match ends inside the request's whole blocks)."""
         bs = self.block_size
@@ -424,9 +361,9 @@ class PrefixCache:
             part = [m for m, f in zip(range(1, bs), there, strict=True) if f]
         aligned = max((i for i in range(1, k + 1) if found[n_full + i - 1]), default=0)
         vision = bool(plan.digests) and bool(found) and found[-1]
-        return _Match(k, part[-1] if part else 0, aligned, vision)
+        return Match(k, part[-1] if part else 0, aligned, vision)
 
-    def _fetch_keys(self, plan: _Plan, match: _Match) -> list[str]:
+    def _fetch_keys(self, plan: Plan, match: Match) -> list[str]:
         """What one ``get_many`` reads: the leading whole blocks, then the partial block and
         its tail (or the tail at the longest aligned length), then the vision entry."""
         fetch = [self._key("b", h) for h in plan.full(match.k)]
@@ -440,10 +377,11 @@ class PrefixCache:
         return fetch
 
     def _assemble(
-        self, plan: _Plan, match: _Match, recs: list, require_extras: bool
+        self, plan: Plan, match: Match, recs: list, require_extras: bool
     ) -> PrefixHit | None:
         """The hit the fetched records make: the restored prefix and the vision embeddings."""
-        hit = self._restore(plan, match.k, match.pm, match.aligned, recs, require_extras)
+        got = restore(plan, match, recs, require_extras, self.kv_quant, self._reject)
+        hit = None if got is None else PrefixHit(got.num_tokens, got.cache, got.extras)
         if match.vision:
             vision = self._vision(recs[-1])
             if vision is not None:
@@ -469,68 +407,6 @@ class PrefixCache:
         log.warning("prefix cache: ignoring a stored record: %s", err)
         self._count(rejected=1)
 
-    def _restore(
-        self, plan: _Plan, k: int, pm: int, aligned: int, recs: list, require_extras: bool
-    ) -> PrefixHit | None:
-        """Verify what was fetched and restore the longest usable length (or None)."""
-        bs = self.block_size
-        blocks: list[Record] = []
-        lay: list[str] | None = None
-        for i in range(k):  # whole blocks, in order, until one fails
-            rec = recs[i]
-            if rec is None:
-                break
-            try:
-                lay = pr.check_block(
-                    rec, i * bs, plan.block_tokens(i), lay, blocks[-1] if blocks else None
-                )
-            except pr.RecordMismatch as e:
-                self._reject(e)
-                break
-            blocks.append(rec)
-        kv = len(blocks)
-        part_block = part_tail = None
-        if pm and kv == k and recs[k] is not None:
-            try:
-                like = blocks[-1] if blocks else None
-                lay = pr.check_block(recs[k], k * bs, plan.block_tokens(k, pm), lay, like)
-                part_block = recs[k]
-                if recs[k + 1] is not None:
-                    pr.check_tail(recs[k + 1], k * bs + pm, plan.block_tokens(k, pm), lay)
-                    part_tail = recs[k + 1]
-            except pr.RecordMismatch as e:
-                self._reject(e)
-        al_tail = None
-        if not pm and aligned and aligned <= kv and recs[k] is not None:
-            try:
-                pr.check_tail(recs[k], aligned * bs, plan.block_tokens(aligned - 1), lay)
-                al_tail = recs[k]
-            except pr.RecordMismatch as e:
-                self._reject(e)
-        if lay is None:
-            return None
-        need_tail = require_extras or pr.has_checkpoint(lay)
-        # candidates (length, blocks, tail), longest first
-        if part_block is not None and (part_tail is not None or not need_tail):
-            choice = (k * bs + pm, [*blocks, part_block], part_tail)
-        elif al_tail is not None and (aligned == kv or need_tail):
-            choice = (aligned * bs, blocks[:aligned], al_tail)
-        elif not need_tail and kv:
-            choice = (kv * bs, blocks, None)
-        else:
-            return None
-        num, used, tail = choice
-        try:  # a record that verified but does not rebuild (another format, forged) is a miss
-            layers = pr.join_blocks(used, lay, self.kv_quant) if used else {}
-            ckpt, extras = pr.read_tail(tail, lay) if tail is not None else ({}, {})
-            layers.update(ckpt)
-            cache = [layers[j] for j in range(len(lay))]
-            mx.eval([c.state for c in cache], list(extras.values()))
-        except Exception as e:
-            self._reject(e)
-            return None
-        return PrefixHit(num, cache, extras)
-
     def longest(
         self,
         token_ids: Any,
@@ -545,15 +421,15 @@ class PrefixCache:
         (an in-process tier) gets ``have`` back when nothing longer is stored, and calls
         ``lookup`` only when this is longer.
         """
-        plan = self._plan(_tokens(token_ids), list(images), image_positions)
+        plan = self._plan(as_tokens(token_ids), list(images), image_positions)
         hot = self._hot.find(plan, False) if self._hot is not None else None
         return self._beyond(plan, max(have, hot.num_tokens if hot else 0))[0]
 
-    def _probe(self, plan: _Plan) -> _Match:
+    def _probe(self, plan: Plan) -> Match:
         keys = self._probe_keys(plan)
         return self._match(plan, self.backend.contains_many(keys) if keys else [])
 
-    def _beyond(self, plan: _Plan, n: int, vision: bool = False) -> tuple[int, bool]:
+    def _beyond(self, plan: Plan, n: int, vision: bool = False) -> tuple[int, bool]:
         """How long a backend hit could be, given ``n`` tokens at hand (``n`` when nothing is
         longer), and (with ``vision``) whether the request's vision entry is stored.
 

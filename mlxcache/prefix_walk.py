@@ -11,7 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxcache import hashing
-from mlxcache.backends.base import ChainFound, ChainWalk, log
+from mlxcache.backends.base import log
+from mlxcache.backends.chains import ChainFound, ChainWalk
 
 TOKEN_BYTES = len(hashing.tokens_bytes([0]))  # one token in a sibling label (int64)
 

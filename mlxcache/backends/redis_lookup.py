@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxcache.backends.base import ChainFound, ChainWalk
+from mlxcache.backends.chains import ChainFound, ChainWalk
 
 MAX_SIBLINGS = 1024  # entries of one sibling index before it is emptied and starts again
 
