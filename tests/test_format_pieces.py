@@ -1,8 +1,10 @@
-"""Format 2: tensors hashed in 1 MiB pieces, read from files piece by piece in parallel.
+"""Format 2: tensors hashed in 256 KiB pieces; files read by either path, in parallel.
 
 Every byte of every piece is covered (first, last, across piece and tensor boundaries), a file
 cut short is caught, blobs split at boundaries unrelated to tensors or pieces decode, and
-format-1 records (one sequential hash) are still read.
+format-1 records (one sequential hash) are still read. Every test runs on both file read
+paths: piece by piece into stand-in arrays (large records) and ``mx.load`` then the pieces'
+hashes (small ones).
 """
 
 import json
@@ -23,6 +25,14 @@ from mlxcache.signing import Signer
 
 PIECE = digests.PIECE
 SECRET = "pieces-secret-0123456789"
+
+
+@pytest.fixture(autouse=True, params=["piecewise", "loaded"])
+def read_path(request, monkeypatch):
+    """Run each test with files read piece by piece, then with ``mx.load`` and a hash after."""
+    limit = 0 if request.param == "piecewise" else 1 << 62
+    monkeypatch.setattr(format_read, "PIECEWISE_MIN_BYTES", limit)
+    return request.param
 
 
 def big_record() -> Record:
@@ -263,6 +273,8 @@ EXIT_RIGHT_AFTER_A_GET = """
 import sys
 import mlxcache
 from helpers import blob_record
+from mlxcache import format_read
+format_read.PIECEWISE_MIN_BYTES = 0  # the stand-in path, whose loads end on MLX's threads
 b = mlxcache.open_backend(sys.argv[1])
 b.put("k", blob_record(100))
 assert b.get("k") is not None
