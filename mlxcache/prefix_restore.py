@@ -32,7 +32,7 @@ def restore(
     match: Match,
     recs: list[Record | None],
     require_extras: bool,
-    kv: KVQuant | None,
+    quant: KVQuant | None,
     reject: Callable[[Exception], None],
 ) -> Restored | None:
     """Verify what was fetched and rebuild the longest usable length (or None).
@@ -89,7 +89,7 @@ def restore(
         return None
     num, used, tail = choice
     try:  # a record that verified but does not rebuild (another format, forged) is a miss
-        layers = pr.join_blocks(used, lay, kv) if used else {}
+        layers = pr.join_blocks(used, lay, quant) if used else {}
         ckpt, extras = pr.read_tail(tail, lay) if tail is not None else ({}, {})
         layers.update(ckpt)
         cache = [layers[j] for j in range(len(lay))]
