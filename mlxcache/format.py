@@ -15,7 +15,6 @@ import bisect
 import dataclasses
 import json
 import math
-import os
 import re
 import struct
 from collections.abc import Iterator, Sequence
@@ -411,22 +410,6 @@ def header_bytes_needed(prefix: bytes) -> int:
     return 8 + min(int.from_bytes(prefix[:8], "little"), MAX_HEADER_BYTES)
 
 
-def read_header(path: str | os.PathLike) -> Header:
-    """Read only the header of a record file (cheap: tensor bytes stay on disk)."""
-    from mlxcache import format_read  # the file reader builds on this module
-
-    return format_read.read_header(path)
-
-
-def read_file(
-    path: str | os.PathLike, *, key: str | None = None, signer: Signer | None = None
-) -> Record:
-    """Load and verify a record file (:func:`mlxcache.format_read.read_file`)."""
-    from mlxcache import format_read
-
-    return format_read.read_file(path, key=key, signer=signer)
-
-
 def header_of(record: Record, *, key: str | None = None, signer: Signer | None = None) -> Header:
     """The header :func:`encode` writes for ``record`` (for stores that hold records, not bytes)."""
     head, views = encode(record, key=key, signer=signer)
@@ -470,7 +453,5 @@ __all__ = [
     "from_bytes",
     "header_of",
     "parse_header",
-    "read_file",
-    "read_header",
     "to_bytes",
 ]

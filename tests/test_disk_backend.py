@@ -383,18 +383,18 @@ def test_warm_start_in_new_processes_reads_no_tensor_data(tmp_path):
     read = run_py(
         """
         import sys, mlxcache
-        from mlxcache import format as st
+        from mlxcache import format_read
         from test_disk_backend import make_record, same
-        real = st.read_file, st.read_header
+        real = format_read.read_file, format_read.read_header
         def boom(*a):
             raise AssertionError("tensor file read")
-        st.read_file = st.read_header = boom
+        format_read.read_file = format_read.read_header = boom
         b = mlxcache.open_backend("file://" + sys.argv[1])
         keys = sys.argv[2:]
         assert len(b) == 3 and sorted(b.keys("w/")) == keys, list(b.keys())
         assert b.contains_many(keys + ["x"]) == [True] * 3 + [False]
         assert b.stats()["bytes"] > 0
-        st.read_file, st.read_header = real
+        format_read.read_file, format_read.read_header = real
         assert all(same(b.get(k), make_record(k)) for k in keys)
         print("ok", b.stats()["hits"])
         """,
@@ -561,7 +561,7 @@ def test_cleanup_at_open_touches_only_files_it_wrote(tmp_path):
 def test_entry_replaced_or_deleted_while_being_read_is_no_error(tmp_path, monkeypatch, race):
     reader, writer = DiskBackend(tmp_path), DiskBackend(tmp_path)
     reader.put("k", make_record("k", 100))
-    real_read = disk.st.read_file
+    real_read = disk.format_read.read_file
     calls = []
 
     def read_file(path, **kw):
@@ -573,7 +573,7 @@ def test_entry_replaced_or_deleted_while_being_read_is_no_error(tmp_path, monkey
         calls.append(path)
         return real_read(path, **kw)
 
-    monkeypatch.setattr(disk.st, "read_file", read_file)
+    monkeypatch.setattr(disk.format_read, "read_file", read_file)
     got = reader.get("k")
     if race == "re-put":
         assert len(calls) == 2 and same(got, make_record("k", 300))
@@ -586,7 +586,7 @@ def test_header_reads_no_tensor_data_and_drops_foreign_files(tmp_path, monkeypat
     b = DiskBackend(tmp_path)
     b.put("k", make_record("k", 100))
     b.put("bad", make_record("bad"))
-    monkeypatch.setattr(disk.st, "read_file", None)  # header() must not load tensors
+    monkeypatch.setattr(disk.format_read, "read_file", None)  # header() must not load tensors
     header = b.header("k")
     assert header.meta == {"key": "k", "n": 100} and [t.name for t in header.tensors] == ["a", "i"]
     assert b.header("nope") is None

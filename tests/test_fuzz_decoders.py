@@ -21,7 +21,7 @@ from hypothesis import strategies as s
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from record_bytes import join, split
 
-from mlxcache import FormatError, Record
+from mlxcache import FormatError, Record, format_read
 from mlxcache import format as st
 from mlxcache import meta as meta_codec
 from mlxcache.backends.redis_chunks import MANIFEST_MAGIC, MAX_CHUNKS, parse_manifest
@@ -217,10 +217,10 @@ def test_mutated_record_files_read_or_are_format_errors(tmp_path_factory, blob):
     path = tmp_path_factory.mktemp("f") / "r.safetensors"
     path.write_bytes(blob)
     try:
-        rec = st.read_file(path)
+        rec = format_read.read_file(path)
     except FormatError:
         return
-    header = st.read_header(path)
+    header = format_read.read_header(path)
     for t in header.tensors:
         assert tuple(rec.arrays[t.name].shape) == t.shape
 
@@ -301,7 +301,7 @@ def test_absurd_shapes_with_a_valid_checksum_are_format_errors(tmp_path, shape):
         st.from_bytes(blob)
     (tmp_path / "r").write_bytes(blob)
     with pytest.raises(FormatError):
-        st.read_file(tmp_path / "r")
+        format_read.read_file(tmp_path / "r")
 
 
 @pytest.mark.parametrize(

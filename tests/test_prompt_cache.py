@@ -31,7 +31,7 @@ from cache_cases import (  # a module of tests/, on pytest's path
     tree_bits,
 )
 
-from mlxcache import FormatError, Record, UnsupportedVersionError
+from mlxcache import FormatError, Record, UnsupportedVersionError, format_read
 from mlxcache import format as st
 from mlxcache.serializers import (
     cache_nbytes,
@@ -176,7 +176,7 @@ def test_subprocess_write_then_load(tmp_path):
     namespace: dict = {}
     exec(_SUBPROCESS_MAKE, namespace)
     reference = namespace["make"]()
-    loaded, meta = load_prompt_cache(st.read_file(path), return_metadata=True)
+    loaded, meta = load_prompt_cache(format_read.read_file(path), return_metadata=True)
     assert meta == {"who": "child"}
     assert set(loaded) == {"model", "extra", "n"} and loaded["n"] == 91
     assert isinstance(loaded["extra"][2], tuple) and loaded["extra"][2][1] is None

@@ -13,7 +13,7 @@ from helpers import assert_same, bits, run_py, sample_record
 from mlx_lm.models.cache import KVCache
 
 import mlxcache
-from mlxcache import PrefixCache, Record, UntrustedRecordError
+from mlxcache import PrefixCache, Record, UntrustedRecordError, format_read
 from mlxcache import format as st
 from mlxcache.cli import main as cli_main
 from mlxcache.mllm_cache import MLLMPrefixCacheManager
@@ -99,9 +99,9 @@ def test_signed_file_round_trip_through_read_file(tmp_path):
     path = tmp_path / "r.safetensors"
     rec = sample_record()
     path.write_bytes(st.to_bytes(rec, key="k", signer=signer))
-    assert_same(rec, st.read_file(path, key="k", signer=signer))
+    assert_same(rec, format_read.read_file(path, key="k", signer=signer))
     with pytest.raises(UntrustedRecordError):
-        st.read_file(path, key="other", signer=signer)
+        format_read.read_file(path, key="other", signer=signer)
 
 
 def test_rotation_old_secrets_verify_new_writes_use_the_current_one(monkeypatch):

@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import SplitResult, unquote
 
 from mlxcache import format as st
-from mlxcache import signing
+from mlxcache import format_read, signing
 from mlxcache.backends import clock
 from mlxcache.backends.base import BackendBase, check_budget, log
 from mlxcache.backends.clock import check_lifetime, lifetime_options
@@ -248,7 +248,7 @@ class DiskBackend(WriteMixin, IndexMixin, BackendBase):
 
     def _load(self, key: str, file: str | None, read=None) -> tuple[Any, str | None]:
         """Read ``key`` from ``file``; follows a concurrent re-put, misses a concurrent delete."""
-        read = read or functools.partial(st.read_file, key=key, signer=self.signer)
+        read = read or functools.partial(format_read.read_file, key=key, signer=self.signer)
         for _ in range(3):
             if file is None:
                 return None, None
@@ -297,7 +297,7 @@ class DiskBackend(WriteMixin, IndexMixin, BackendBase):
 
     def _header(self, key: str) -> st.Header | None:
         """Metadata and tensor table of ``key`` without its tensor data (``mlxcache inspect``)."""
-        return self._load(key, self._lookup([key]).get(key), st.read_header)[0]
+        return self._load(key, self._lookup([key]).get(key), format_read.read_header)[0]
 
     def _get_many(self, keys: list[str]) -> list[Record | None]:
         files = self._lookup(keys)
