@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache import hashing, prefix_walk
+from mlxcache import hashing, prefix_probe, prefix_walk
 from mlxcache import prefix_records as pr
 from mlxcache.backends.base import CacheBackend, log, put_all
 from mlxcache.backends.chains import add_sibling, walk_chain, walks_chains
@@ -236,9 +236,7 @@ class PrefixCache:
             if pin:
                 self._pin(keys)
             return written
-        with self._lock:
-            if self.writer is None:
-                self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
+        writer = self._writer()
         # MLX arrays must be evaluated on the thread that built them, before the writer's
         mx.eval([a for _, rec, _ in todo for a in rec.arrays.values()])
         nbytes = sum(rec.nbytes for _, rec, _ in todo)
@@ -249,7 +247,7 @@ class PrefixCache:
                 self._pin(keys)
             return written
 
-        queued = self.writer.submit(write, nbytes) if todo or pin else True
+        queued = writer.submit(write, nbytes) if todo or pin else True
         return sum(m for _, _, m in todo) if queued else 0
 
     def _write(self, todo: list[tuple[str, Record, int]], sibling: tuple | None = None) -> int:
@@ -271,6 +269,13 @@ class PrefixCache:
         self._count(records_pinned=len(keys) - len(refused), pins_refused=len(refused))
         if refused:
             log.warning("prefix cache: %d of %d records not pinned", len(refused), len(keys))
+
+    def _writer(self) -> BackgroundWriter:
+        """This cache's writer thread (background stores, LRU touches), made on first use."""
+        with self._lock:
+            if self.writer is None:
+                self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
+            return self.writer
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every ``store(..., background=True)`` so far is written (or dropped)."""
@@ -306,10 +311,8 @@ class PrefixCache:
         if walked is not None:
             match, recs = walked
         else:
-            keys = self._probe_keys(plan)
-            found = self.backend.contains_many(keys) if keys else []
-            match = self._match(plan, found)
-            fetch = self._fetch_keys(plan, match)
+            match = self._probe(plan)
+            fetch = prefix_probe.fetch_keys(plan, self._key, match, self._vision_key(plan))
             recs = self.backend.get_many(fetch) if fetch else []
         hit = self._assemble(plan, match, recs, require_extras)
         if hot is not None and (hit is None or hit.num_tokens < hot.num_tokens):
@@ -327,54 +330,14 @@ class PrefixCache:
         return hit
 
     def _walk(self, plan: Plan) -> tuple[Match, list] | None:
-        """The match and the records of ``_fetch_keys`` from one ``walk_chain``; None where the
-        backend cannot walk or its answer does not fit the request (see prefix_walk)."""
+        """The match and the records of ``prefix_probe.fetch_keys`` from one ``walk_chain``;
+        None where the backend cannot walk or its answer does not fit the request."""
         vkey = self._vision_key(plan)
         if not walks_chains(self.backend) or not (len(plan.tokens) or vkey):
             return None
         found = walk_chain(self.backend, prefix_walk.chain_walk(plan, self._key, vkey))
         read = None if found is None else prefix_walk.read_walk(plan, self._key, found)
         return None if read is None else (Match(*read[:4]), read[4])
-
-    def _probe_keys(self, plan: Plan) -> list[str]:
-        """What one ``contains_many`` asks: every whole block, the tail at each whole block,
-        the tail at each length inside the last partial block, the vision entry."""
-        n_full, r = divmod(len(plan.tokens), self.block_size)
-        full = plan.full(n_full)
-        keys = [self._key("b", h) for h in full] + [self._key("t", h) for h in full]
-        keys += [self._key("t", plan.partial(n_full, m)) for m in range(1, r + 1)]
-        vkey = self._vision_key(plan)
-        return keys + ([vkey] if vkey else [])
-
-    def _match(self, plan: Plan, found: list[bool]) -> Match:
-        """The longest candidates ``found`` allows (a second ``contains_many``, of at most
-        ``block_size - 1`` keys, when the match ends inside the request's whole blocks)."""
-        bs = self.block_size
-        n_full, r = divmod(len(plan.tokens), bs)
-        k = next((i for i, f in enumerate(found[:n_full]) if not f), n_full)
-        # the longest stored length inside block k (the block after the leading whole blocks)
-        if k == n_full:
-            part = [m for m, f in zip(range(1, r + 1), found[2 * n_full :], strict=False) if f]
-        else:
-            cands = [plan.partial(k, m) for m in range(1, bs)]
-            there = self.backend.contains_many([self._key("t", p) for p in cands])
-            part = [m for m, f in zip(range(1, bs), there, strict=True) if f]
-        aligned = max((i for i in range(1, k + 1) if found[n_full + i - 1]), default=0)
-        vision = bool(plan.digests) and bool(found) and found[-1]
-        return Match(k, part[-1] if part else 0, aligned, vision)
-
-    def _fetch_keys(self, plan: Plan, match: Match) -> list[str]:
-        """What one ``get_many`` reads: the leading whole blocks, then the partial block and
-        its tail (or the tail at the longest aligned length), then the vision entry."""
-        fetch = [self._key("b", h) for h in plan.full(match.k)]
-        if match.pm:
-            p = plan.partial(match.k, match.pm)
-            fetch += [self._key("b", p), self._key("t", p)]
-        elif match.aligned:
-            fetch.append(self._key("t", plan.full(match.aligned)[-1]))
-        if match.vision:
-            fetch.append(self._vision_key(plan))
-        return fetch
 
     def _assemble(
         self, plan: Plan, match: Match, recs: list, require_extras: bool
@@ -426,8 +389,9 @@ class PrefixCache:
         return self._beyond(plan, max(have, hot.num_tokens if hot else 0))[0]
 
     def _probe(self, plan: Plan) -> Match:
-        keys = self._probe_keys(plan)
-        return self._match(plan, self.backend.contains_many(keys) if keys else [])
+        """The default path's match: one ``contains_many`` (two when the match ends inside
+        the request's whole blocks; see prefix_probe)."""
+        return prefix_probe.probe(plan, self._key, self._vision_key(plan), self.backend)
 
     def _beyond(self, plan: Plan, n: int, vision: bool = False) -> tuple[int, bool]:
         """How long a backend hit could be, given ``n`` tokens at hand (``n`` when nothing is
@@ -466,10 +430,7 @@ class PrefixCache:
         touch = getattr(self.backend, "touch_many", None)
         if touch is None:
             return
-        with self._lock:
-            if self.writer is None:
-                self.writer = BackgroundWriter(name="mlxcache-prefix-writer")
-        self.writer.submit(lambda: touch(keys))
+        self._writer().submit(lambda: touch(keys))
 
     # ------------------------------------------------------------ the rest
 

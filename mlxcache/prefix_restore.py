@@ -37,7 +37,7 @@ def restore(
 ) -> Restored | None:
     """Verify what was fetched and rebuild the longest usable length (or None).
 
-    ``recs`` are in the order of ``PrefixCache._fetch_keys``: the leading whole blocks, then
+    ``recs`` are in the order of ``prefix_probe.fetch_keys``: the leading whole blocks, then
     the partial block and its tail (or the tail at the aligned length). Each record that fails
     its checks goes to ``reject`` (logged and counted by the caller) and ends the prefix there.
     """
