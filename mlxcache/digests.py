@@ -94,6 +94,21 @@ def pieces(table: Sequence[Any]) -> list[tuple[int, int]]:
     return out
 
 
+def cut(views: Sequence[memoryview]) -> list[memoryview]:
+    """Each tensor's bytes (one view a tensor, in table order) cut into its pieces."""
+    return [v[lo : lo + PIECE] for v in views for lo in range(0, len(v), PIECE)]
+
+
+def verify_views(
+    header: Any, views: Sequence[memoryview], key: str | None, signer: Signer | None
+) -> None:
+    """Format 2: :func:`verify_leaves` over tensors held whole, one view each, pieces hashed
+    on the pool."""
+    jobs = cut(views)
+    size = sum(len(v) for v in views)
+    verify_leaves(header, lambda kind: pmap(lambda j: leaf(kind, [j]), jobs, size), key, signer)
+
+
 def leaf(kind: str, parts: Sequence[memoryview | bytes]) -> bytes:
     """The digest of one piece, given as the consecutive buffers that hold it."""
     if len(parts) == 1:
@@ -199,11 +214,7 @@ def digest(
     while it is in cache, pieces spread over the cores.
     """
     views = [memoryview(b).cast("B") for b in buffers]
-    jobs = [
-        (v[lo : lo + PIECE],)
-        for t, v in zip(table, views, strict=True)
-        for lo in range(0, t.end - t.begin, PIECE)
-    ]
+    jobs = [(p,) for p in cut(views)]
     kinds = ([SUM] if checksum else []) + ([MAC] if mac is not None else [])
     got = pmap(lambda j: [leaf(k, j) for k in kinds], jobs, sum(len(v) for v in views))
     out: dict[str, str] = {}

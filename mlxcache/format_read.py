@@ -203,12 +203,7 @@ def _read_loaded(
     if header.version == 1:
         digests.verify(header, lambda: iter(views), key, signer)
     else:
-        jobs = [v[i : i + digests.PIECE] for v in views for i in range(0, len(v), digests.PIECE)]
-
-        def leaves(kind: str) -> list[bytes]:
-            return digests.pmap(lambda j: digests.leaf(kind, [j]), jobs, header.data_size)
-
-        digests.verify_leaves(header, leaves, key, signer)
+        digests.verify_views(header, views, key, signer)
     return st._record(arrays, st._with_meta(header).meta)
 
 
