@@ -116,7 +116,7 @@ def hot_tier_rows(ctx: Any, n: int) -> list[Row]:
     """In one process: fetch and insert on mlx-lm's LRUPromptCache vs SharedPromptCache."""
     from mlx_lm.models.cache import LRUPromptCache
 
-    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
 
     key = ("model", None, None)
     tokens = list(range(1, n + 1))
@@ -182,7 +182,7 @@ def hot_tier_rows(ctx: Any, n: int) -> list[Row]:
 
 
 def run(ctx: Any, prompt_tokens: int = 2048) -> list[Row]:
-    if not have("mlx_lm") or not have("mlxcache.integrations.mlx_lm_server"):
+    if not have("mlx_lm") or not have("mlxcache.integrations.mlx_lm.server"):
         ctx.note("mlx-lm is not installed: the server TTFT rows are left out.")
         return []
     rows = hot_tier_rows(ctx, 64 if ctx.smoke else prompt_tokens)

@@ -5,7 +5,7 @@ The cache: 22 layers of mlx-lm ``KVCache``, 4 KV heads, head dim 64, bf16 (TinyL
 ``num_attention_heads`` 32), 2048 tokens of random data (46 MB).
 
 - **hot cache**: mlx-lm 0.32's ``LRUPromptCache`` (``mlx_lm/server.py`` uses it) against
-  ``mlxcache.integrations.mlx_lm_prompt_cache.SharedPromptCache`` (its hot tier plus a
+  ``mlxcache.integrations.mlx_lm.prompt_cache.SharedPromptCache`` (its hot tier plus a
   ``PrefixCache`` on ``memory://``, ``file://`` or ``redis://``): ``insert_cache`` of the
   2k-token cache (ours stores on a writer thread; it is flushed, untimed, between runs) and
   ``fetch_nearest_cache`` of a request that extends it by 16 tokens (the nearest prefix), with
@@ -88,13 +88,13 @@ def _row(
 
 
 def run(tokens: int, ctx: Any) -> list[Row]:
-    if not have("mlx_lm") or not have("mlxcache.integrations.mlx_lm_prompt_cache"):
+    if not have("mlx_lm") or not have("mlxcache.integrations.mlx_lm.prompt_cache"):
         ctx.note("mlx-lm or the SharedPromptCache integration is missing: LM peer rows left out.")
         return []
     from mlx_lm.models.cache import LRUPromptCache, load_prompt_cache, save_prompt_cache
 
     from mlxcache import open_backend
-    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
     from mlxcache.serializers.prompt_cache import dump_prompt_cache
     from mlxcache.serializers.prompt_cache import load_prompt_cache as our_load
 
@@ -331,7 +331,7 @@ def _other_worker(
     save_fn: Any,
 ) -> list[Row]:
     """A second SharedPromptCache with an empty hot tier restores from the shared tier."""
-    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
 
     path = str(ctx.tmpdir / "peers-lm-worker.safetensors")
     save_fn(path, cache)

@@ -120,8 +120,8 @@ def open_apc(root: Path) -> Any:
 
 def open_ours(backend: Any, model: Any, salt: str) -> Any:
     """A ``PrefixCache`` on a backend or URI, named by the model's identity."""
-    from mlxcache.model_id import model_identity
     from mlxcache.prefix import PrefixCache
+    from mlxcache.prefix.model_id import model_identity
 
     return PrefixCache(backend, model=model_identity(model), salt=salt, hot_bytes=0)
 

@@ -1,4 +1,4 @@
-"""Signed records (keyed BLAKE3 MAC, see mlxcache.signing) against unsigned ones.
+"""Signed records (keyed BLAKE3 MAC, see mlxcache.records.signing) against unsigned ones.
 
 Every ratio is ``unsigned time / signed time`` measured in the same run on the same record
 (1.0 = signing is free; 0.8 = signed takes 25% longer). The MAC rows compare keyed BLAKE3 with
@@ -16,9 +16,9 @@ import xxhash
 
 from benchmarks.common import Row, evaluate
 from benchmarks.throughput import KEY, Context, _Sizer
-from mlxcache import format as st
 from mlxcache import open_backend
-from mlxcache.signing import Signer
+from mlxcache.records import format as st
+from mlxcache.records.signing import Signer
 
 SECRET_VAR = "MLXCACHE_BENCH_SECRET"
 

@@ -28,7 +28,7 @@ from benchmarks.common import (
     time_runs,
 )
 from mlxcache import Record, open_backend
-from mlxcache import format as st
+from mlxcache.records import format as st
 
 SECTION = "throughput"
 CHUNK = 64 * 2**20  # dd-style block size

@@ -51,8 +51,8 @@ def run(lengths: list[int], ctx: Any) -> list[Row]:
         ctx.note("mlx-vlm is not installed: TTFT rows are left out.")
         return []
     from mlxcache import open_backend
-    from mlxcache.model_id import model_identity
     from mlxcache.prefix import PrefixCache
+    from mlxcache.prefix.model_id import model_identity
     from mlxcache.tiny_models import build_model
 
     uris = []

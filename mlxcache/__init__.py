@@ -2,9 +2,9 @@
 
 from mlxcache.backends.base import CacheBackend
 from mlxcache.errors import FormatError, UnsupportedVersionError, UntrustedRecordError
-from mlxcache.model_id import model_identity
-from mlxcache.prefix import PrefixCache, PrefixHit
-from mlxcache.record import Record
+from mlxcache.prefix.cache import PrefixCache, PrefixHit
+from mlxcache.prefix.model_id import model_identity
+from mlxcache.records.record import Record
 from mlxcache.serializers.prompt_cache import (
     cache_nbytes,
     dump_prompt_cache,

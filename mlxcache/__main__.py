@@ -2,6 +2,6 @@
 
 import sys
 
-from mlxcache.cli import main
+from mlxcache.cli.app import main
 
 sys.exit(main())

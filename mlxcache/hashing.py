@@ -12,15 +12,19 @@ import hashlib
 import os
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 import mlx.core as mx
 import numpy as np
 
+from mlxcache.buffers import array_memoryview
+
 HASH_VERSION = 1  # bump when any framing below changes: old keys then simply miss
 
+Tokens: TypeAlias = "np.ndarray | Sequence[int]"  # token ids: a list or a NumPy array
 
-def _h(*parts: bytes) -> bytes:
+
+def _h(*parts: bytes | memoryview) -> bytes:
     """SHA-256 of length-prefixed parts (no two part lists share a digest)."""
     h = hashlib.sha256()
     for p in parts:
@@ -74,11 +78,11 @@ def image_digest(image: Any) -> bytes:
     if isinstance(image, mx.array):
         a = mx.contiguous(image)
         mx.eval(a)
-        data = memoryview(a).cast("B") if a.nbytes else memoryview(b"")
+        data = array_memoryview(a).cast("B") if a.nbytes else memoryview(b"")
         return _array_digest(b"array", str(a.dtype), a.shape, data)
     if isinstance(image, np.ndarray):
-        a = np.ascontiguousarray(image)
-        return _array_digest(b"array", a.dtype.str, a.shape, memoryview(a).cast("B"))
+        n = np.ascontiguousarray(image)
+        return _array_digest(b"array", n.dtype.str, n.shape, n.data.cast("B"))
     if hasattr(image, "tobytes") and hasattr(image, "mode") and hasattr(image, "size"):
         size = np.asarray(image.size, dtype=np.int64).tobytes()
         # a "P"/"PA" image's pixels are palette indices: the colours are in the palette, and
@@ -115,19 +119,19 @@ def namespace_seed(
     return _h(*parts, *([kv.encode()] if kv else []))
 
 
-def tokens_bytes(tokens: Sequence[int]) -> bytes:
+def tokens_bytes(tokens: Tokens) -> bytes:
     """Token ids as little-endian int64 bytes (the form hashed and stored)."""
     return np.asarray(tokens, dtype=np.int64).tobytes()
 
 
-def chain(parent: bytes, tokens: Sequence[int], extra: bytes = b"") -> bytes:
+def chain(parent: bytes, tokens: Tokens, extra: bytes = b"") -> bytes:
     """``h[i] = H(h[i-1], tokens of block i, extra keys of block i)``."""
     return _h(b"block", parent, tokens_bytes(tokens), extra)
 
 
 def block_hashes(
     seed: bytes,
-    tokens: Sequence[int],
+    tokens: Tokens,
     block_size: int,
     extras: Sequence[bytes] | None = None,
 ) -> list[bytes]:
@@ -150,7 +154,7 @@ def block_hashes(
 # ---------------------------------------------------------------- prefix-cache helpers
 
 
-def image_runs(tokens: Sequence[int], image_token_id: int) -> list[int]:
+def image_runs(tokens: Tokens, image_token_id: int) -> list[int]:
     """Start positions of each run of ``image_token_id`` in ``tokens`` (one run per image)."""
     t = np.asarray(tokens, dtype=np.int64)
     is_img = t == image_token_id

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import builtins
 import re
-from typing import Any
+from typing import Any, overload
 from urllib.parse import urlsplit
 
 _UNITS = {
@@ -99,7 +100,15 @@ class Options:
 
         return self._take(name, default, convert)
 
-    def float(self, name: str, default: float | None, minimum: float = 0.0) -> float | None:
+    @overload
+    def float(self, name: str, default: float, minimum: float = 0.0) -> float: ...
+    @overload
+    def float(
+        self, name: str, default: builtins.float | None, minimum: builtins.float = 0.0
+    ) -> builtins.float | None: ...
+    def float(
+        self, name: str, default: builtins.float | None, minimum: builtins.float = 0.0
+    ) -> builtins.float | None:
         def convert(v: Any) -> float:
             x = float(v)
             if not x >= minimum:
@@ -111,7 +120,7 @@ class Options:
     def str(self, name: str, default: str | None) -> str | None:
         return self._take(name, default, str)
 
-    def bool(self, name: str, default: bool) -> bool:
+    def bool(self, name: builtins.str, default: bool) -> bool:
         def convert(v: Any) -> bool:
             if isinstance(v, bool):
                 return v

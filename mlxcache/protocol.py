@@ -7,9 +7,9 @@ Its policy (argument checks, budgets, failures read as misses) is implemented on
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
-from mlxcache.record import Record
+from mlxcache.records.record import Record
 
 
 @runtime_checkable
@@ -34,3 +34,23 @@ class CacheBackend(Protocol):
     def contains_many(self, keys: Iterable[str]) -> list[bool]: ...
     def __enter__(self) -> CacheBackend: ...
     def __exit__(self, *exc: object) -> None: ...
+
+
+class PinnableBackend(CacheBackend, Protocol):
+    """A backend with pins (optional: BackendBase has them, ``pinnable`` says if they work)."""
+
+    pinnable: bool
+
+    def pin(self, key: str) -> bool: ...
+    def unpin(self, key: str) -> bool: ...
+
+
+class TrimmableBackend(CacheBackend, Protocol):
+    """A backend with ``trim`` (optional: BackendBase has it)."""
+
+    def trim(self, max_bytes: int) -> int: ...
+
+
+def can_pin(backend: object) -> TypeGuard[PinnableBackend]:
+    """Whether ``backend`` keeps pinned entries: its ``pinnable`` attribute, False if none."""
+    return bool(getattr(backend, "pinnable", False))

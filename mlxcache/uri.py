@@ -34,15 +34,15 @@ Factory = Callable[[SplitResult, Options], CacheBackend]
 # scheme -> factory, or "module:function" imported on first use so unused backends cost nothing
 _SCHEMES: dict[str, Factory | str] = {
     "memory": "mlxcache.backends.memory:from_uri",
-    "file": "mlxcache.backends.disk:from_uri",
-    "redis": "mlxcache.backends.redis:from_uri",
-    "rediss": "mlxcache.backends.redis:from_uri",
-    "unix": "mlxcache.backends.redis:from_uri",
+    "file": "mlxcache.backends.disk.backend:from_uri",
+    "redis": "mlxcache.backends.redis.backend:from_uri",
+    "rediss": "mlxcache.backends.redis.backend:from_uri",
+    "unix": "mlxcache.backends.redis.backend:from_uri",
     "tiered": "mlxcache.backends.tiered:from_uri",
-    "redis+cluster": "mlxcache.backends.redis_cluster:from_cluster_uri",
-    "rediss+cluster": "mlxcache.backends.redis_cluster:from_cluster_uri",
-    "redis+sentinel": "mlxcache.backends.redis_cluster:from_sentinel_uri",
-    "rediss+sentinel": "mlxcache.backends.redis_cluster:from_sentinel_uri",
+    "redis+cluster": "mlxcache.backends.redis.cluster:from_cluster_uri",
+    "rediss+cluster": "mlxcache.backends.redis.cluster:from_cluster_uri",
+    "redis+sentinel": "mlxcache.backends.redis.cluster:from_sentinel_uri",
+    "rediss+sentinel": "mlxcache.backends.redis.cluster:from_sentinel_uri",
 }
 
 

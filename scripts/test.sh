@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install everything the tests need (redis-server, a fresh .venv with mlxcache[test]) and run
-# lint plus the whole test suite. The README's test command and .ci/run both call this.
+# lint, the type checker, the package smoke run (wheel + sdist, the wheel in a clean venv) and the
+# whole test suite. The README's test command and .ci/run both call this.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,4 +24,6 @@ PYTHON=${PYTHON:-python3}
 
 .venv/bin/ruff format --check mlxcache tests benchmarks
 .venv/bin/ruff check mlxcache tests benchmarks
+.venv/bin/mypy
+bash scripts/package_smoke.sh
 exec .venv/bin/python -m pytest "$@"

@@ -13,7 +13,7 @@ import mlx_lm.models.cache as lmc
 import mlx_vlm.models.cache as vlc
 
 from mlxcache import Record
-from mlxcache import format as st
+from mlxcache.records import format as st
 from mlxcache.serializers import dump_prompt_cache, load_prompt_cache
 from mlxcache.tiny_models import build_model
 

@@ -6,7 +6,7 @@ import json
 import struct
 from collections.abc import Callable
 
-from mlxcache import format as st
+from mlxcache.records import format as st
 
 
 def split(blob: bytes) -> tuple[dict, bytes]:

@@ -15,7 +15,7 @@ from helpers import assert_same, bits, blob_record, run_py, sample_record
 
 import mlxcache
 from mlxcache import CacheBackend, Record
-from mlxcache import format as fmt
+from mlxcache.records import format as fmt
 
 
 @pytest.fixture(params=sorted(BACKENDS))

@@ -88,7 +88,7 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
                 expected |= {("lookup", f"redis:// lookup ({k})") for k in LOOKUPS}
     if _importable("mlxcache.integrations.mlx_vlm") and _importable("mlxcache.backends.disk"):
         expected |= {("ttft", "qwen2_vl uncached"), ("ttft", "qwen2_vl file:// warm")}
-    if _importable("mlx_lm") and _importable("mlxcache.integrations.mlx_lm_server"):
+    if _importable("mlx_lm") and _importable("mlxcache.integrations.mlx_lm.server"):
         expected |= {
             ("server", "mlx_lm.server warm, same process"),
             ("server", "mlxcache serve warm, new process (file://)"),
@@ -103,7 +103,7 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             ("peers", "mlxcache file:// flipped byte, new process"),
             ("peers", "APC bytes on disk per token"),
         }
-    if _importable("mlxcache.integrations.mlx_lm_prompt_cache"):
+    if _importable("mlxcache.integrations.mlx_lm.prompt_cache"):
         expected |= {
             ("peers", "mlx-lm LRUPromptCache fetch_nearest_cache"),
             ("peers", "SharedPromptCache (memory://) fetch_nearest_cache"),

@@ -11,7 +11,7 @@ import pytest
 import mlxcache
 from mlxcache import Record
 from mlxcache.cli import main
-from mlxcache.digests import FORMAT_VERSION
+from mlxcache.records.digests import FORMAT_VERSION
 
 
 def fill(uri: str, n: int = 3, size: int = 256) -> None:

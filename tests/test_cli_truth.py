@@ -157,7 +157,7 @@ def test_verbose_anywhere_and_help_for_every_argument(cache):
     assert cli("stats", cache, "-v").returncode == 0 and cli("-v", "stats", cache).returncode == 0
     top = cli("--help").stdout
     assert "``" not in top and "file://~/.cache/mlxcache" in top
-    from mlxcache.cli import build_parser
+    from mlxcache.cli.app import build_parser
 
     parser = build_parser()
     subs = next(a for a in parser._actions if a.dest == "command").choices

@@ -21,8 +21,9 @@ from threads import run_threads
 
 import mlxcache
 from mlxcache import CacheBackend, Record
-from mlxcache.backends import disk, disk_writes
 from mlxcache.backends.disk import DiskBackend
+from mlxcache.backends.disk import backend as disk
+from mlxcache.backends.disk import writes as disk_writes
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -383,7 +384,7 @@ def test_warm_start_in_new_processes_reads_no_tensor_data(tmp_path):
     read = run_py(
         """
         import sys, mlxcache
-        from mlxcache import format_read
+        from mlxcache.records import reader as format_read
         from test_disk_backend import make_record, same
         real = format_read.read_file, format_read.read_header
         def boom(*a):
@@ -445,7 +446,8 @@ def test_many_processes_share_one_folder_and_budget(tmp_path):
 KILLED_WRITER = """
     import sys, time, mlx.core as mx, mlxcache
     from mlxcache import Record
-    from mlxcache.backends import disk, disk_writes
+    from mlxcache.backends.disk import backend as disk
+    from mlxcache.backends.disk import writes as disk_writes
 
     def hang(msg):
         print(msg, flush=True)

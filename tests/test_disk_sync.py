@@ -20,8 +20,8 @@ from helpers import bits
 
 import mlxcache
 from mlxcache import Record
-from mlxcache.backends import disk_writes
 from mlxcache.backends.disk import DiskBackend
+from mlxcache.backends.disk import writes as disk_writes
 
 MODES = ["always", "batch", "never"]
 

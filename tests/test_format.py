@@ -9,8 +9,9 @@ import pytest
 import safetensors
 from helpers import assert_same, bits, sample_record
 
-from mlxcache import FormatError, Record, UnsupportedVersionError, format_read
-from mlxcache import format as st
+from mlxcache import FormatError, Record, UnsupportedVersionError
+from mlxcache.records import format as st
+from mlxcache.records import reader as format_read
 
 
 def test_bytes_round_trip_is_bit_exact_for_every_dtype():

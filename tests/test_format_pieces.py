@@ -18,10 +18,12 @@ import mlx.core as mx
 import pytest
 from helpers import ROOT, TESTS, assert_same, sample_record
 
-from mlxcache import FormatError, Record, UntrustedRecordError, digests, format_read
-from mlxcache import format as st
+from mlxcache import FormatError, Record, UntrustedRecordError
 from mlxcache.backends.disk import DiskBackend
-from mlxcache.signing import Signer
+from mlxcache.records import digests
+from mlxcache.records import format as st
+from mlxcache.records import reader as format_read
+from mlxcache.records.signing import Signer
 
 PIECE = digests.PIECE
 SECRET = "pieces-secret-0123456789"
@@ -273,7 +275,7 @@ EXIT_RIGHT_AFTER_A_GET = """
 import sys
 import mlxcache
 from helpers import blob_record
-from mlxcache import format_read
+from mlxcache.records import reader as format_read
 format_read.PIECEWISE_MIN_BYTES = 0  # the stand-in path, whose loads end on MLX's threads
 b = mlxcache.open_backend(sys.argv[1])
 b.put("k", blob_record(100))

@@ -23,7 +23,7 @@ import mlxcache
 from mlxcache import PrefixCache, Record
 from mlxcache.backends.disk import DiskBackend
 from mlxcache.backends.memory import MemoryBackend
-from mlxcache.backends.redis_chunks import MANIFEST_MAGIC
+from mlxcache.backends.redis.chunks import MANIFEST_MAGIC
 from mlxcache.mllm_cache import MLLMPrefixCacheManager
 from mlxcache.vision_embedding_cache import VisionEmbeddingCache
 

@@ -21,12 +21,13 @@ from hypothesis import strategies as s
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from record_bytes import join, split
 
-from mlxcache import FormatError, Record, format_read
-from mlxcache import format as st
-from mlxcache import meta as meta_codec
-from mlxcache.backends.redis_chunks import MANIFEST_MAGIC, MAX_CHUNKS, parse_manifest
+from mlxcache import FormatError, Record
+from mlxcache.backends.redis.chunks import MANIFEST_MAGIC, MAX_CHUNKS, parse_manifest
+from mlxcache.records import format as st
+from mlxcache.records import meta as meta_codec
+from mlxcache.records import reader as format_read
+from mlxcache.records.signing import Signer
 from mlxcache.serializers import dump_prompt_cache
-from mlxcache.signing import Signer
 
 
 def _kv_record() -> Record:

@@ -135,8 +135,8 @@ def script_main(path: str, uri: str, phase: str) -> dict:
         generate_tokens,
         stream_cached_generate,
     )
-    from mlxcache.model_id import model_identity
     from mlxcache.prefix import PrefixCache
+    from mlxcache.prefix.model_id import model_identity
 
     model, tokenizer = mlx_lm.load(path)
     cache = PrefixCache(uri, model=model_identity(model), block_size=BLOCK_SIZE)
@@ -533,7 +533,7 @@ def test_model_identity_of_mlx_lm_models(tmp_path):
     import mlx.nn as nn
     import mlx_lm
 
-    from mlxcache.model_id import model_identity
+    from mlxcache.prefix.model_id import model_identity
 
     path = build_folder("llama", tmp_path / "a")
     model, _ = mlx_lm.load(str(path))

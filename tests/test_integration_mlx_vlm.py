@@ -79,8 +79,8 @@ def script_main(family: str, uri: str, phase: str) -> dict:
     import numpy as np
 
     from mlxcache.integrations.mlx_vlm import generate_tokens
-    from mlxcache.model_id import model_identity
     from mlxcache.prefix import PrefixCache
+    from mlxcache.prefix.model_id import model_identity
     from mlxcache.tiny_models import build_model
 
     model, _ = build_model(family, 0)
@@ -334,7 +334,7 @@ def test_cached_generate_with_prepared_inputs_and_a_tokenizer():
 
 
 def test_demo_on_a_file_cache(tmp_path):
-    from mlxcache.demo import run_demo
+    from mlxcache.cli.demo import run_demo
 
     out = io.StringIO()
     code = run_demo(

@@ -308,7 +308,7 @@ def test_tiny_vlm_restored_from_8_bit_kv(name):
 
 
 def test_shared_prompt_cache_passes_the_setting_down():
-    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
 
     spc = SharedPromptCache(backend="memory://", kv_bits=4, kv_group_size=32)
     assert spc.prefix_cache(("m", None, None)).kv_quant == KVQuant(4, 32)

@@ -14,7 +14,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, LRUPromptCache
 
-from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
 
 
 class MockCache:

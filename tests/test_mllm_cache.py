@@ -576,7 +576,7 @@ def test_fresh_caches_of_every_class_are_stored_as_caches(tmp_path, where):
 
 
 def test_damaged_records_are_misses_never_exceptions(tmp_path):
-    from mlxcache.record import Record
+    from mlxcache.records.record import Record
 
     uri = f"file://{tmp_path}/c"
     m = MLLMCacheManager(backend=uri)

@@ -10,7 +10,7 @@ from test_mllm_cache import kv
 
 from mlxcache.integrations.vllm_mlx import sketch
 from mlxcache.mllm_cache import MLLMCacheManager
-from mlxcache.record import Record
+from mlxcache.records.record import Record
 
 
 def common(a: np.ndarray, b: np.ndarray) -> int:

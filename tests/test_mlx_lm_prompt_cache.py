@@ -17,7 +17,7 @@ from mlx_lm.models.cache import KVCache
 from redis_server import RedisServer
 
 from mlxcache.backends.memory import MemoryBackend
-from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
+from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
 
 MODEL = ("tiny", None, None)
 
@@ -75,7 +75,7 @@ def test_a_new_process_finds_it(tmp_path):
     cache.close()
     code = (
         "import sys\n"
-        "from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache\n"
+        "from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache\n"
         "c = SharedPromptCache(backend=sys.argv[1])\n"
         "hit, rest = c.fetch_nearest_cache(('tiny', None, None), list(range(3, 300)))\n"
         "print(len(rest), hit[0].offset, hit[0].state[0][0, 0, :hit[0].offset, 0].tolist()[-1])\n"

@@ -16,7 +16,7 @@ import pytest
 from mlx_vlm.vision_cache import VisionFeatureCache, processed_image_key
 from redis_server import RedisServer
 
-from mlxcache.integrations.mlx_vlm_vision import SharedVisionFeatureCache
+from mlxcache.integrations.mlx_vlm.vision import SharedVisionFeatureCache
 
 
 def pixels(seed):
@@ -56,7 +56,7 @@ def test_a_new_process_skips_the_encoder(tmp_path):
     code = (
         "import sys, mlx.core as mx, numpy as np\n"
         "from mlx_vlm.vision_cache import processed_image_key\n"
-        "from mlxcache.integrations.mlx_vlm_vision import SharedVisionFeatureCache\n"
+        "from mlxcache.integrations.mlx_vlm.vision import SharedVisionFeatureCache\n"
         "px = mx.array(np.random.default_rng(5).standard_normal((64, 1176)).astype(np.float32))\n"
         "k = processed_image_key(px, image_grid_thw=mx.array([[1, 8, 8]]))\n"
         "c = SharedVisionFeatureCache(model='qwen2-vl/x', backend=sys.argv[1])\n"

@@ -11,7 +11,7 @@ from threads import run_threads
 
 from mlxcache import PrefixCache, open_backend
 from mlxcache.backends.memory import MemoryBackend
-from mlxcache.record import Record
+from mlxcache.records.record import Record
 
 BS = 16
 LAYERS, HEADS, DIM = 3, 2, 8
@@ -244,7 +244,7 @@ def test_longest_with_have_asks_only_about_longer_lengths_and_agrees_with_lookup
 
 
 def test_hot_hits_touch_their_records_so_the_backend_keeps_them(monkeypatch):
-    from mlxcache import prefix_hot
+    from mlxcache.prefix import hot as prefix_hot
 
     class Touched(MemoryBackend):
         def __init__(self) -> None:

@@ -31,8 +31,9 @@ from cache_cases import (  # a module of tests/, on pytest's path
     tree_bits,
 )
 
-from mlxcache import FormatError, Record, UnsupportedVersionError, format_read
-from mlxcache import format as st
+from mlxcache import FormatError, Record, UnsupportedVersionError
+from mlxcache.records import format as st
+from mlxcache.records import reader as format_read
 from mlxcache.serializers import (
     cache_nbytes,
     dump_prompt_cache,
@@ -166,7 +167,7 @@ def test_subprocess_write_then_load(tmp_path):
     script = _SUBPROCESS_MAKE + textwrap.dedent(
         f"""
         from mlxcache.serializers import dump_prompt_cache
-        from mlxcache import format as st
+        from mlxcache.records import format as st
         with open({str(path)!r}, "wb") as f:
             f.write(st.to_bytes(dump_prompt_cache(make(), meta={{"who": "child"}})))
         """

@@ -14,8 +14,8 @@ from helpers import bits
 from mlx_lm.models.cache import KVCache
 
 from mlxcache import PrefixCache, Record
-from mlxcache.backends import disk_writes
 from mlxcache.backends.disk import DiskBackend
+from mlxcache.backends.disk import writes as disk_writes
 from mlxcache.backends.memory import MemoryBackend
 from mlxcache.backends.tiered import TieredBackend
 

@@ -20,8 +20,8 @@ from redis_server import RedisServer, free_port
 
 import mlxcache
 from mlxcache import Record
-from mlxcache import format as st
 from mlxcache.backends.redis import RedisBackend
+from mlxcache.records import format as st
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

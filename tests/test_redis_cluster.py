@@ -14,7 +14,7 @@ from helpers import assert_same, bits, blob_record, run_py, sample_record
 from redis.crc import key_slot
 
 import mlxcache
-from mlxcache.backends.redis_keys import KeyLayout
+from mlxcache.backends.redis.keys import KeyLayout
 
 # ---------------------------------------------------------------- helpers
 
@@ -133,7 +133,7 @@ def test_every_key_of_a_record_and_its_index_share_one_slot(redis_cluster):
 
 
 def test_cluster_budget_and_lru_hold_across_the_cluster(redis_cluster):
-    rec_size = len(mlxcache.format.to_bytes(blob_record(1000)))
+    rec_size = len(mlxcache.records.format.to_bytes(blob_record(1000)))
     budget = 16 * 4 * rec_size  # room for 4 records per group
     b = mlxcache.open_backend(redis_cluster.url, max_bytes=budget)
     for i in range(200):

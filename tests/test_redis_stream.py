@@ -13,11 +13,12 @@ from redis._parsers import _RESP2Parser
 
 import mlxcache
 from mlxcache import Record
-from mlxcache import format as st
-from mlxcache.backends import redis_reads, redis_stream
 from mlxcache.backends.redis import RedisBackend
-from mlxcache.backends.redis_chunks import parse_manifest
-from mlxcache.signing import Signer
+from mlxcache.backends.redis import reads as redis_reads
+from mlxcache.backends.redis import stream as redis_stream
+from mlxcache.backends.redis.chunks import parse_manifest
+from mlxcache.records import format as st
+from mlxcache.records.signing import Signer
 
 SLICE, WINDOW = 64, 3  # small slices and window, so small records cross every boundary
 

@@ -262,8 +262,8 @@ def test_the_end_of_a_response_waits_for_its_store():
 
     from mlx_lm.models.cache import KVCache
 
-    from mlxcache.integrations.mlx_lm_prompt_cache import SharedPromptCache
-    from mlxcache.integrations.mlx_lm_server import _HeldEnd
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
+    from mlxcache.integrations.mlx_lm.server import _HeldEnd
 
     cache = SharedPromptCache(backend="memory://")
     q: Queue = Queue()

@@ -13,11 +13,12 @@ from helpers import assert_same, bits, run_py, sample_record
 from mlx_lm.models.cache import KVCache
 
 import mlxcache
-from mlxcache import PrefixCache, Record, UntrustedRecordError, format_read
-from mlxcache import format as st
+from mlxcache import PrefixCache, Record, UntrustedRecordError
 from mlxcache.cli import main as cli_main
 from mlxcache.mllm_cache import MLLMPrefixCacheManager
-from mlxcache.signing import Signer, from_env
+from mlxcache.records import format as st
+from mlxcache.records import reader as format_read
+from mlxcache.records.signing import Signer, from_env
 from mlxcache.vision_embedding_cache import VisionEmbeddingCache
 
 SECRET = "s3cret-for-tests-only-0123456789"
@@ -176,7 +177,7 @@ import mlx.core as mx
 import redis
 import mlxcache
 from mlxcache import PrefixCache, Record
-from mlxcache import format as st
+from mlxcache.records import format as st
 from record_bytes import join, split
 from test_signing import kv
 

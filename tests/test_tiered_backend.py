@@ -48,7 +48,7 @@ def test_write_through_reads_fill_the_upper_tier(tmp_path):
 def test_l1_hits_reach_the_lower_tiers_lru(tmp_path):
     """A record that is hot in L1 (never read from L2) is not what L2 evicts first."""
     l2 = DiskBackend(tmp_path / "l2")
-    unit = len(mlxcache.format.to_bytes(blob_record(1000)))
+    unit = len(mlxcache.records.format.to_bytes(blob_record(1000)))
     b = TieredBackend(MemoryBackend(), f"file://{tmp_path}/l2", max_bytes=3 * unit + unit // 2)
     for k in ("hot", "k1", "k2"):
         b.put(k, blob_record(1000))

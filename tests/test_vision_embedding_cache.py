@@ -390,7 +390,7 @@ def test_live_extra_kwargs_values_are_copied_when_returned():
 
 
 def test_damaged_record_is_a_miss(tmp_path):
-    from mlxcache.record import Record
+    from mlxcache.records.record import Record
 
     c = VisionEmbeddingCache(backend=f"file://{tmp_path}/v")
     store_pixels(c, ["a"])

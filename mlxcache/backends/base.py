@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from mlxcache import format as fmt
 from mlxcache.backends.chains import (  # noqa: F401 - re-exported: the capability's names
     MAX_MEMBERS,
     ChainFound,
@@ -27,7 +26,8 @@ from mlxcache.backends.chains import (  # noqa: F401 - re-exported: the capabili
 from mlxcache.backends.counters import Counters, Latency, RateLimitedLog
 from mlxcache.backends.fleet import FleetCounters, flush_at_exit
 from mlxcache.protocol import CacheBackend
-from mlxcache.record import Record
+from mlxcache.records import format as fmt
+from mlxcache.records.record import Record
 
 log = logging.getLogger("mlxcache")
 
@@ -243,7 +243,8 @@ class BackendBase:
             return []
         n = len(keys)
         with self.latency.timer("get"):
-            out = self._guard("get", [None] * n, self._get_many, keys, n=n)
+            misses: list[Record | None] = [None] * n
+            out = self._guard("get", misses, self._get_many, keys, n=n)
         found = [r for r in out if r is not None]
         self._counters.add("hits", len(found))
         self._counters.add("misses", n - len(found))
@@ -341,7 +342,8 @@ class BackendBase:
         """Keys starting with ``prefix`` (empty on failure)."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        return iter(self._guard("keys", [], lambda: list(self._keys(prefix))))
+        none: list[str] = []
+        return iter(self._guard("keys", none, lambda: list(self._keys(prefix))))
 
     def __len__(self) -> int:
         return self._guard("len", 0, self._count)
@@ -434,7 +436,8 @@ class BackendBase:
         if not self._can_walk():
             return None
         with self.latency.timer("get"):
-            found = self._guard("get", ChainFound(), self._walk_chain, walk)
+            empty: ChainFound | None = ChainFound()
+            found = self._guard("get", empty, self._walk_chain, walk)
         if found is None:
             return None
         hits = [r for r in found.records if r is not None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mlxcache.protocol import CacheBackend
-from mlxcache.record import Record
+from mlxcache.records.record import Record
 
 MAX_MEMBERS = 16  # keys of one sibling index entry
 

@@ -13,6 +13,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from typing import Protocol
 
 FLEET = ("hits", "misses", "evictions", "errors", "rejected", "bytes_read", "bytes_written")
 INTERVAL = 1.0  # seconds between flushes while a process works
@@ -58,7 +59,11 @@ class FleetCounters:
             self._lock.release()
 
 
-def flush_at_exit(backend: object) -> None:
+class _Flushes(Protocol):
+    def flush_counters(self) -> None: ...
+
+
+def flush_at_exit(backend: _Flushes) -> None:
     """Flush ``backend``'s fleet counters when the interpreter exits (if it is still alive)."""
     ref = weakref.ref(backend)
 

@@ -9,13 +9,13 @@ from urllib.parse import SplitResult
 
 import mlx.core as mx
 
-from mlxcache import meta as meta_codec
-from mlxcache import signing
 from mlxcache.backends import clock
 from mlxcache.backends.base import BackendBase, check_budget, log
 from mlxcache.backends.clock import check_lifetime, lifetime_options
 from mlxcache.options import Options, redact_uri
-from mlxcache.record import Record
+from mlxcache.records import meta as meta_codec
+from mlxcache.records import signing
+from mlxcache.records.record import Record
 
 
 def detached(record: Record) -> Record:

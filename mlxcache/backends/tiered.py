@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 from urllib.parse import SplitResult, quote
 
 import mlx.core as mx
 
-from mlxcache import format as fmt
 from mlxcache.backends.base import BackendBase, CacheBackend, is_persistent, put_all
 from mlxcache.backends.memory import detached
 from mlxcache.backends.writer import (
@@ -32,7 +31,9 @@ from mlxcache.backends.writer import (
     BackgroundWriter,
 )
 from mlxcache.options import Options
-from mlxcache.record import Record
+from mlxcache.protocol import PinnableBackend, TrimmableBackend, can_pin
+from mlxcache.records import format as fmt
+from mlxcache.records.record import Record
 from mlxcache.uri import open_backend
 
 WRITE_POLICIES = ("through", "behind")
@@ -103,8 +104,9 @@ class TieredBackend(BackendBase):
     def _pin(self, key: str, on: bool) -> bool:
         """Pin in L2 (after queued writes land); in L1 too where it holds the key."""
         self._settle()
-        done = self.l2.pin(key) if on else self.l2.unpin(key)
-        if getattr(self.l1, "pinnable", False):
+        l2 = cast(PinnableBackend, self.l2)  # _pinning runs this only if pinnable (L2's)
+        done = l2.pin(key) if on else l2.unpin(key)
+        if can_pin(self.l1):
             self.l1.pin(key) if on else self.l1.unpin(key)
         return done
 
@@ -292,8 +294,9 @@ class TieredBackend(BackendBase):
     def _trim(self, max_bytes: int) -> int:
         """Trim both tiers; the count is L2's (an L1 eviction leaves the record in the store)."""
         self._settle()
-        self.l1.trim(max_bytes)
-        return self.l2.trim(max_bytes)
+        # every tier is taken to trim (BackendBase does); _guard counts one that cannot
+        cast(TrimmableBackend, self.l1).trim(max_bytes)
+        return cast(TrimmableBackend, self.l2).trim(max_bytes)
 
     def _stats(self) -> dict[str, Any]:
         self._settle()
@@ -368,7 +371,7 @@ def from_uri(url: SplitResult, opts: Options) -> TieredBackend:
         raise ValueError(f"tiered:// option write={write!r} is invalid: use through or behind")
     if full not in FULL_POLICIES:
         raise ValueError(f"tiered:// option full={full!r} is invalid: use wait or drop")
-    kwargs = {
+    kwargs: dict[str, Any] = {  # each checked by Options or above
         "write": write,
         "full": full,
         "fill": opts.bool("fill", True),

@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.backends.base import RateLimitedLog
-from mlxcache.record import Record
+from mlxcache.records.record import Record
 
 FULL_POLICIES = ("wait", "drop")
 DEFAULT_QUEUE = 64

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
 
@@ -109,7 +109,7 @@ def sample_tokens(
     while max_tokens is None or i < max_tokens:
         logprobs = logprobs_of(logits)
         y = sampler(logprobs)
-        token = y.item()
+        token = cast(int, y.item())  # a sampled token id
         yield token, logprobs
         i += 1
         if token in eos or (max_tokens is not None and i == max_tokens):
@@ -189,3 +189,22 @@ def stream_result(
             text.finish()
             result.text = text.text
     result.total_time = time.perf_counter() - t0
+
+
+def timed_from(steps: Iterable[GenerationStep], t0: float) -> Iterator[GenerationStep]:
+    """``steps`` with the first token's time counted from ``t0``: a wrapper that encodes the
+    prompt first makes its time to first token include that work, as the engines count it."""
+    for step in steps:
+        if len(step.result.tokens) == 1:
+            step.result.time_to_first_token = time.perf_counter() - t0
+        yield step
+
+
+def run_to_end(steps: Iterable[GenerationStep], t0: float | None = None) -> GenerationResult:
+    """The final GenerationResult of ``steps``; with ``t0``, its total time counts from it."""
+    result = GenerationResult()
+    for step in steps:
+        result = step.result
+    if t0 is not None:
+        result.total_time = time.perf_counter() - t0
+    return result

@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcache.prefix import PrefixHit
+from mlxcache.prefix.cache import PrefixHit
 from mlxcache.serializers import adapters
 
 log = logging.getLogger("mlxcache")

@@ -1,19 +1,4 @@
-"""Serializers: MLX cache objects <-> Record (Record <-> bytes is ``mlxcache.format``)."""
+"""Serializers: MLX cache objects <-> Record (Record <-> bytes is ``mlxcache.records.format``)."""
 
-from mlxcache.serializers.prompt_cache import (
-    STRUCTURE_VERSION,
-    cache_nbytes,
-    dump_prompt_cache,
-    is_trimmable_prefix,
-    load_prompt_cache,
-    truncate_prompt_cache,
-)
-
-__all__ = [
-    "STRUCTURE_VERSION",
-    "cache_nbytes",
-    "dump_prompt_cache",
-    "is_trimmable_prefix",
-    "load_prompt_cache",
-    "truncate_prompt_cache",
-]
+from mlxcache.serializers.prompt_cache import *  # noqa: F403
+from mlxcache.serializers.prompt_cache import __all__  # noqa: F401

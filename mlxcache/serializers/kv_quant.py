@@ -117,7 +117,7 @@ def restore(arrays: Mapping[str, mx.array], marker: Any, q: KVQuant | None) -> d
     if len(out) + 3 * len(done) != len(arrays):
         raise QuantError("quantized parts do not match the marker")
     for name, info in done.items():
-        dtype = _DTYPES.get(info.get("dtype")) if isinstance(info, dict) else None
+        dtype = _DTYPES.get(info.get("dtype", "")) if isinstance(info, dict) else None
         try:
             w, s, b = (arrays[f"{name}.q{p}"] for p in PARTS)
         except (KeyError, TypeError):

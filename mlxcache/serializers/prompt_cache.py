@@ -16,9 +16,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcache import meta as meta_codec
 from mlxcache.errors import FormatError, UnsupportedVersionError
-from mlxcache.record import Record
+from mlxcache.records import meta as meta_codec
+from mlxcache.records.record import Record
 from mlxcache.serializers import adapters
 from mlxcache.serializers.adapters import StateError
 

@@ -11,10 +11,10 @@ import threading
 from collections import OrderedDict
 from urllib.parse import SplitResult
 
-from mlxcache import format as fmt
 from mlxcache.backends.base import BackendBase
 from mlxcache.options import Options
-from mlxcache.record import Record
+from mlxcache.records import format as fmt
+from mlxcache.records.record import Record
 
 
 class DictBackend(BackendBase):

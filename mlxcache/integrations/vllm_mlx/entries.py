@@ -13,7 +13,7 @@ from mlxcache.backends.base import CacheBackend, is_persistent
 from mlxcache.errors import RecordTooLargeError
 from mlxcache.integrations.vllm_mlx.payloads import Missing, Packer, true_nbytes
 from mlxcache.options import redact_uri
-from mlxcache.record import Record
+from mlxcache.records.record import Record
 from mlxcache.uri import open_backend
 
 T = TypeVar("T")

@@ -11,22 +11,26 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from mlxcache.backends.base import CacheBackend
-from mlxcache.errors import RecordTooLargeError
-from mlxcache.integrations.vllm_mlx import payloads, sketch
+from mlxcache.integrations.vllm_mlx import images_index, payloads, sketch
 from mlxcache.integrations.vllm_mlx.entries import LRU, EntryStore, Slot
+from mlxcache.integrations.vllm_mlx.images_index import ENTRY_PREFIX, INDEX_PREFIX, VERSION
 from mlxcache.integrations.vllm_mlx.keys import (
     compute_image_hash,
     compute_images_hash,
     images_group,
     prompt_digest,
 )
-from mlxcache.record import Record
+from mlxcache.integrations.vllm_mlx.prefix_entry import (
+    MLLMCacheStats,
+    MLLMPrefixCacheEntry,
+    as_tokens,
+)
+from mlxcache.records.record import Record
 
 logger = logging.getLogger("mlxcache.mllm_cache")
 
@@ -44,110 +48,8 @@ __all__ = [
     "compute_images_hash",
 ]
 
-ENTRY_PREFIX = "mllm.e."  # + images digest + "." + prompt digest: one entry
-INDEX_PREFIX = "mllm.i."  # + images digest: the entries stored with these images, in order
-_VERSION = 1
-
-
-@dataclass
-class MLLMCacheStats:
-    """Statistics for MLLM cache performance."""
-
-    hits: int = 0
-    misses: int = 0
-    partial_hits: int = 0  # prefix matched but not in full, or vision embeddings only
-    tokens_saved: int = 0
-    image_cache_hits: int = 0
-    vision_encoder_skips: int = 0
-    total_queries: int = 0
-    evictions: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """Hits over queries (0.0 before the first query)."""
-        return self.hits / self.total_queries if self.total_queries else 0.0
-
-    def to_dict(self) -> dict:
-        """The counters and the hit rate as a dict."""
-        return {
-            "hits": self.hits,
-            "misses": self.misses,
-            "partial_hits": self.partial_hits,
-            "hit_rate": self.hit_rate,
-            "tokens_saved": self.tokens_saved,
-            "image_cache_hits": self.image_cache_hits,
-            "vision_encoder_skips": self.vision_encoder_skips,
-            "total_queries": self.total_queries,
-            "evictions": self.evictions,
-        }
-
-
-@dataclass
-class MLLMPrefixCacheEntry:
-    """One cached prefix: vision embeddings, the language model's KV cache and its tokens."""
-
-    image_hash: str
-    prompt_hash: str
-    vision_embeddings: Any = None
-    kv_cache: list[Any] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    num_image_tokens: int = 0
-    num_text_tokens: int = 0
-    prompt_tokens: int = 0
-    created_at: float = field(default_factory=time.time)
-    hit_count: int = 0
-    model_name: str = ""
-
-    @property
-    def total_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def memory_size(self) -> int:
-        """Bytes really held by the vision embeddings and the KV cache (any cache class)."""
-        return payloads.true_nbytes(self.vision_embeddings) + payloads.true_nbytes(self.kv_cache)
-
-    def get_prefix_match_length(self, new_token_ids: list[int]) -> int:
-        """How many leading tokens of ``new_token_ids`` equal this entry's tokens."""
-        return _common_prefix(_tokens(self.token_ids), _tokens(new_token_ids))
-
-
-def _tokens(token_ids: Any) -> np.ndarray:
-    """Token ids (list, NumPy or MLX array) as a flat int64 array."""
-    if token_ids is None:
-        return np.zeros(0, dtype=np.int64)
-    return np.asarray(token_ids, dtype=np.int64).reshape(-1)
-
-
-def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if len(diff) else n
-
 
 _Best = tuple[MLLMPrefixCacheEntry, int, str]  # entry, matched tokens, its key
-
-
-def _valid_item(item: Any, key_prefix: str) -> bool:
-    """Whether an index line has the fields lookups read, with the right types."""
-    return (
-        isinstance(item, dict)
-        and isinstance(item.get("key"), str)
-        and item["key"].startswith(key_prefix)
-        and _item_sketch(item) is not None
-        and isinstance(item.get("bytes", 0), int)
-        and isinstance(item.get("time", 0.0), int | float)
-    )
-
-
-def _item_sketch(item: dict[str, Any]) -> sketch.Sketch | None:
-    """The prefix sketch of an index line; lines written before sketches hold every token id."""
-    legacy = item.get("tokens")
-    if isinstance(legacy, bytes):
-        return (
-            sketch.sketch(np.frombuffer(legacy, dtype=np.int64)) if len(legacy) % 8 == 0 else None
-        )
-    return sketch.from_fields(item)
 
 
 class MLLMPrefixCacheManager:
@@ -181,34 +83,13 @@ class MLLMPrefixCacheManager:
         return group, f"{ENTRY_PREFIX}{group}.{prompt_digest(prompt)}"
 
     def _read_index(self, group: str) -> list[dict[str, Any]]:
-        """The index lines of one image group; damaged or foreign lines are left out."""
-        rec = self._backend.get(INDEX_PREFIX + group)
-        if rec is None or rec.meta.get("v") != _VERSION:
-            return []
-        items = rec.meta.get("entries")
-        if not isinstance(items, list):
-            return []
-        return [i for i in items if _valid_item(i, f"{ENTRY_PREFIX}{group}.")]
-
-    def _write_index(self, group: str, items: list[dict[str, Any]]) -> None:
-        if items:
-            record = Record(meta={"v": _VERSION, "entries": items})
-            try:
-                self._backend.put(INDEX_PREFIX + group, record)
-            except RecordTooLargeError as exc:  # only with a huge number of entries per images
-                logger.warning("MLLM cache: index of %s not stored: %s", group[:16], exc)
-        else:
-            self._backend.delete(INDEX_PREFIX + group)
+        return images_index.read_index(self._backend, group)
 
     def _index_add(self, group: str, item: dict[str, Any]) -> None:
-        items = [i for i in self._read_index(group) if i["key"] != item["key"]]
-        self._write_index(group, [*items, item])
+        images_index.index_add(self._backend, group, item)
 
     def _index_remove(self, group: str, *keys: str) -> None:
-        items = self._read_index(group)
-        kept = [i for i in items if i["key"] not in keys]
-        if len(kept) != len(items):
-            self._write_index(group, kept)
+        images_index.index_remove(self._backend, group, *keys)
 
     def _forget_gone(self) -> None:
         """Drop from the LRU and the index the entries the backend no longer has."""
@@ -233,7 +114,7 @@ class MLLMPrefixCacheManager:
 
     def _load(self, key: str) -> MLLMPrefixCacheEntry | None:
         """The entry under ``key`` as fresh objects, or None (and forget it) if it is gone."""
-        found = self._entries.read(key, lambda rec: rec.meta.get("v") == _VERSION, self._entry)
+        found = self._entries.read(key, lambda rec: rec.meta.get("v") == VERSION, self._entry)
         if found is None:
             self._lru.pop(key)
             self._entries.forget(key)
@@ -307,7 +188,7 @@ class MLLMPrefixCacheManager:
         self, images: Any, prompt: str, token_ids: Any, *, vision_only: bool
     ) -> tuple[MLLMPrefixCacheEntry | None, int]:
         group, key = self._keys(images, prompt)
-        tokens = _tokens(token_ids) if token_ids is not None else None
+        tokens = as_tokens(token_ids) if token_ids is not None else None
         if tokens is not None and len(tokens) == 0:
             tokens = None  # vllm-mlx treats empty token ids as none
         with self._lock:
@@ -334,11 +215,11 @@ class MLLMPrefixCacheManager:
                 self._count_hit(hit_key, entry)
                 return entry, n
             if images and vision_only:
-                entry = self._vision_only(group, index)
-                if entry is not None:
+                vision_entry = self._vision_only(group, index)
+                if vision_entry is not None:
                     self.stats.partial_hits += 1
                     self.stats.vision_encoder_skips += 1
-                    return entry, 0
+                    return vision_entry, 0
             self.stats.misses += 1
             return None, 0
 
@@ -362,7 +243,9 @@ class MLLMPrefixCacheManager:
         for item in index:
             if item["key"] == exact_key or item.get("dummy"):
                 continue
-            n = sketch.match_bound(_item_sketch(item), request)  # an upper bound: verified below
+            stored = images_index.item_sketch(item)
+            assert stored is not None  # read_index keeps only lines with a sketch
+            n = sketch.match_bound(stored, request)  # an upper bound: verified below
             if n > 0:
                 candidates.append((n, item["key"]))
         candidates.sort(reverse=True)
@@ -444,10 +327,10 @@ class MLLMPrefixCacheManager:
             logger.debug("MLLM cache disabled by a limit of 0: nothing stored")
             return
         group, key = self._keys(images, prompt)
-        tokens = _tokens(token_ids)
+        tokens = as_tokens(token_ids)
         packer = self._entries.packer()
         meta = {
-            "v": _VERSION,
+            "v": VERSION,
             "kv": packer.pack("kv", kv_cache, what="kv_cache"),
             "vis": packer.pack("vis", vision_embeddings, what="vision_embeddings"),
             "image_hash": compute_images_hash(images),

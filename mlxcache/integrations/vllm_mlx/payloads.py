@@ -13,8 +13,8 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxcache import meta as meta_codec
-from mlxcache.record import Record
+from mlxcache.records import meta as meta_codec
+from mlxcache.records.record import Record
 from mlxcache.serializers import cache_nbytes, dump_prompt_cache, load_prompt_cache
 from mlxcache.serializers.adapters import is_cache_object
 

@@ -23,7 +23,7 @@ from mlxcache.integrations.vllm_mlx.keys import (
     images_group,
     prompt_digest,
 )
-from mlxcache.record import Record
+from mlxcache.records.record import Record
 
 logger = logging.getLogger("mlxcache.vision_embedding_cache")
 
@@ -243,10 +243,12 @@ class VisionEmbeddingCache:
         if len(lru) > self._limit(kind) or self._nbytes() > self.max_memory:
             self._forget_gone()
         while len(lru) > self._limit(kind):
-            self._drop(kind, lru.oldest()[0])
+            oldest = lru.oldest()
+            assert oldest is not None  # the LRU holds more than its limit
+            self._drop(kind, oldest[0])
         while self._nbytes() > self.max_memory:
-            heads = [(lru.oldest()[1].seq, k, lru.oldest()[0]) for k, lru in self._lru.items()
-                     if len(lru)]  # fmt: skip
+            firsts = [(k, lru.oldest()) for k, lru in self._lru.items()]  # None: an empty LRU
+            heads = [(o[1].seq, k, o[0]) for k, o in firsts if o is not None]
             if not heads:
                 break
             _, k, key = min(heads)

@@ -1,0 +1,265 @@
+"""``mlxcache serve``: mlx-lm's own HTTP server with a persistent, shared prompt cache.
+
+mlx-lm parses its options, loads the model and answers requests with its handler and its
+``ResponseGenerator``; the only change is the prompt cache (``SharedPromptCache`` on ``--cache
+URI``, with ``--prompt-cache-size`` and ``--prompt-cache-bytes`` held by the hot tier) and
+that a response ends only once its prompt cache is stored, so a server killed right after
+answering has lost nothing it answered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from collections.abc import Sequence
+from queue import Queue
+from typing import Any
+
+from mlxcache.prefix.model_id import model_identity
+from mlxcache.serializers import kv_quant
+from mlxcache.uri import open_backend
+
+log = logging.getLogger("mlxcache")
+
+INSTALL_HINT = "mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
+END_TIMEOUT = 10.0  # seconds a response waits for its store at most
+
+
+def _options() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlxcache serve",
+        add_help=False,
+        allow_abbrev=False,  # never take one of mlx-lm's options for an abbreviation of ours
+        description="mlx-lm's server (every mlx_lm.server option) with a persistent prompt "
+        "cache. mlxcache's own options:",
+    )
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="cache URI (default: $MLXCACHE_URL, else file://~/.cache/mlxcache)",
+    )
+    p.add_argument(
+        "--cache-block-size", type=int, default=256, help="tokens per stored block (256)"
+    )
+    p.add_argument("--cache-salt", default="", help="isolates tenants sharing one cache")
+    p.add_argument(
+        "--cache-kv-bits",
+        type=int,
+        default=None,
+        help="store KV quantized to this many bits (8, 4, ...; lossy, fewer bytes moved; "
+        "default exact). Not mlx-lm's --kv-bits, which quantizes the live cache",
+    )
+    p.add_argument(
+        "--cache-kv-group-size", type=int, default=64, help="values per scale (32, 64, 128)"
+    )
+    p.add_argument(
+        "--cache-model-name",
+        default=None,
+        help="the model's name in the shared keys (default: --model as given, a local folder "
+        "by its real path); servers share KV only when name, config and weights layout match",
+    )
+    return p
+
+
+def lm_identity(model: Any, name: str) -> str:
+    """The ``PrefixCache`` model identity of a loaded mlx-lm model called ``name``."""
+
+    return model_identity(model, name=name)
+
+
+def key_name(model_key: Any, override: str | None) -> str:
+    """``--model`` (a local folder by its real path), adapter and draft model, joined."""
+    parts = list(model_key) if isinstance(model_key, tuple | list) else [model_key]
+    names = [
+        "" if p is None else (os.path.realpath(p) if os.path.isdir(str(p)) else str(p))
+        for p in parts
+    ]
+    if override:
+        names[0] = override
+    return "+".join(n for n in names if n) or "model"
+
+
+class _HeldEnd:
+    """Forwards a response queue but holds its end marker until the prompt cache has stored."""
+
+    def __init__(self, queue: Queue, prompt_cache: Any, timeout: float = END_TIMEOUT) -> None:
+        self._queue, self._cache, self._timeout = queue, prompt_cache, timeout
+        self._lock = threading.Lock()
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        if item is not None or not hasattr(self._cache, "after_next_insert"):
+            self._queue.put(item, *args, **kwargs)
+            return
+        sent = [False]
+
+        def release() -> None:
+            with self._lock:
+                if sent[0]:
+                    return
+                sent[0] = True
+            timer.cancel()
+            self._queue.put(None)
+
+        timer = threading.Timer(self._timeout, release)  # never hold a response forever
+        timer.daemon = True
+        timer.start()
+        self._cache.after_next_insert(release)
+
+
+class _Requests(Queue):
+    """The generator's request queue: wraps each request's response queue in ``_HeldEnd``."""
+
+    def __init__(self, prompt_cache: Any) -> None:
+        super().__init__()
+        self._cache = prompt_cache
+
+    def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
+        if isinstance(item, tuple) and item and isinstance(item[0], Queue):
+            item = (_HeldEnd(item[0], self._cache), *item[1:])
+        super().put(item, *args, **kwargs)
+
+
+def _response_generator_class():
+    from mlx_lm.server import ResponseGenerator
+
+    class CachedResponseGenerator(ResponseGenerator):
+        """mlx-lm's ResponseGenerator whose responses end after their cache is stored."""
+
+        @property
+        def requests(self) -> Queue:
+            return self._mlxcache_requests
+
+        @requests.setter
+        def requests(self, _queue: Queue) -> None:  # set once by ResponseGenerator.__init__
+            self._mlxcache_requests = _Requests(self.prompt_cache)
+
+        def _log_cache_stats(self) -> None:
+            super()._log_cache_stats()
+            s = self.prompt_cache.stats()
+            log.info(
+                "mlxcache prompt cache: hot %d entries %d bytes (max %d), "
+                "hot hits %d, backend hits %d, misses %d, stored %d tokens, errors %d",
+                s["hot_entries"], s["hot_bytes"], s["max_bytes"], s["hot_hits"],
+                s["backend_hits"], s["misses"], s["tokens_stored"],
+                s["store_errors"] + s["lookup_errors"],
+            )  # fmt: skip
+
+    return CachedResponseGenerator
+
+
+def _metrics_handler(base: type, prompt_cache: Any) -> type:
+    """mlx-lm's handler plus ``GET /metrics``: Prometheus text of the shared cache.
+
+    Without prometheus_client (the metrics extra) ``/metrics`` answers 501 saying so.
+    """
+
+    class MetricsHandler(base):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if self.path.split("?")[0] != "/metrics":
+                return super().do_GET()
+            try:
+                from mlxcache.metrics import CONTENT_TYPE, render  # the metrics extra
+            except ImportError as exc:
+                body, status, kind = f"{exc}\n".encode(), 501, "text/plain"
+            else:
+                objects = [*prompt_cache._prefix.values()] or [prompt_cache.backend]
+                body, status, kind = (
+                    render(*[o for o in objects if o is not None]),
+                    200,
+                    CONTENT_TYPE,
+                )
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    return MetricsHandler
+
+
+def make_run(options: argparse.Namespace):
+    """A replacement for ``mlx_lm.server.run`` that builds the shared prompt cache."""
+    import mlx.core as mx
+    from mlx_lm import server
+
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache  # imports mlx-lm
+
+    def run(host, port, model_provider, server_class=None, handler_class=None):
+        cli = model_provider.cli_args
+        names: dict[Any, str] = {}
+
+        def identity(model_key: Any) -> str:
+            if model_key not in names:
+                name = key_name(model_key, options.cache_model_name)
+                model = model_provider.model if model_provider.model_key == model_key else None
+                names[model_key] = lm_identity(model, name) if model is not None else name
+            return names[model_key]
+
+        max_bytes = cli.prompt_cache_bytes if cli.prompt_cache_bytes is not None else 1 << 63
+        prompt_cache = SharedPromptCache(
+            cli.prompt_cache_size,
+            max_bytes,
+            backend=options.backend,
+            identity=identity,
+            block_size=options.cache_block_size,
+            salt=options.cache_salt,
+            kv_bits=options.cache_kv_bits,
+            kv_group_size=options.cache_kv_group_size,
+            background=True,  # stores run beside generation; a response still waits for its own
+        )
+        log.info("mlxcache serve: prompt cache %r", prompt_cache)
+        generator = _response_generator_class()(model_provider, prompt_cache)
+        kwargs = {"handler_class": _metrics_handler(handler_class or server.APIHandler,
+                                                    prompt_cache)}  # fmt: skip
+        if server_class is not None:
+            kwargs["server_class"] = server_class
+        try:
+            if mx.distributed.init().rank() == 0:
+                server._run_http_server(host, port, generator, **kwargs)
+            else:
+                generator.join()
+        finally:
+            prompt_cache.close()
+
+    return run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``mlxcache serve [mlxcache options] [mlx_lm.server options]``; returns an exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        from mlx_lm import server
+    except ImportError:
+        print(f"mlxcache: error: {INSTALL_HINT}", file=sys.stderr)
+        return 1
+    parser = _options()
+    options, rest = parser.parse_known_args(argv)
+    if "-h" in rest or "--help" in rest:
+        parser.print_help()
+        print()
+    elif options.cache_block_size <= 0:
+        print("mlxcache: error: --cache-block-size must be positive", file=sys.stderr)
+        return 1
+    else:
+        try:
+            kv_quant.make(options.cache_kv_bits, options.cache_kv_group_size)
+            options.backend = open_backend(options.cache)
+        except (ValueError, TypeError, OSError) as exc:
+            print(f"mlxcache: error: {exc}", file=sys.stderr)
+            return 1
+    original_run, original_argv = server.run, sys.argv
+    server.run = make_run(options)
+    sys.argv = ["mlxcache serve", *rest]
+    try:
+        server.main()
+    except SystemExit as exc:  # argparse's --help and usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        server.run, sys.argv = original_run, original_argv
+        backend = getattr(options, "backend", None)
+        if backend is not None:
+            backend.close()
+    return 0
