@@ -402,7 +402,7 @@ def test_bad_uris_and_options_name_the_problem(uri, match):
 def test_rediss_uses_ssl_without_connecting():
     port = free_port()
     b = mlxcache.open_backend(f"rediss://alice:s3cret@127.0.0.1:{port}/2?ssl_cert_reqs=none")
-    assert b.pool.connection_class is redis.SSLConnection
+    assert issubclass(b.pool.connection_class, redis.SSLConnection)  # with the call deadline
     kw = b.pool.connection_kwargs
     assert (kw["host"], kw["port"], kw["db"], kw["username"]) == ("127.0.0.1", port, 2, "alice")
     assert kw["password"] == "s3cret" and kw["socket_timeout"] == 5.0
@@ -419,7 +419,7 @@ def test_unix_socket(redis_server, redis_url):
     rec = sample_record()
     tcp = mlxcache.open_backend(redis_url)
     unix = mlxcache.open_backend(redis_server.unix_url)
-    assert unix.pool.connection_class is redis.UnixDomainSocketConnection
+    assert issubclass(unix.pool.connection_class, redis.UnixDomainSocketConnection)
     unix.put("u", rec)
     assert_same(rec, tcp.get("u"))
     assert_same(rec, unix.get("u"))
@@ -489,12 +489,12 @@ def test_backoff_grows_and_resets(monkeypatch):
     b = RedisBackend(f"redis://127.0.0.1:{port}/0", timeout=0.5, backoff=0.1, max_backoff=0.4)
     delays = []
     for _ in range(5):
-        b._down_until = 0.0  # let the call through to hit the dead port
+        b.breaker.down_until = 0.0  # let the call through to hit the dead port
         b.get("k")
-        delays.append(b._delay)
+        delays.append(b.breaker.delay)
     assert delays == [0.2, 0.4, 0.4, 0.4, 0.4]
-    b._ok()
-    assert b._delay == 0.1
+    b.breaker.ok()
+    assert b.breaker.delay == 0.1
 
 
 # ---------------------------------------------------------------- other processes

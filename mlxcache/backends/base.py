@@ -9,12 +9,13 @@ apart from its ``Disk``. See docs/backends.md.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
+from mlxcache.backends.breaker import Breaker
 from mlxcache.backends.chains import (  # noqa: F401 - re-exported: the capability's names
     MAX_MEMBERS,
     ChainFound,
@@ -104,19 +105,15 @@ class BackendBase:
         max_backoff: float = 5.0,
     ) -> None:
         self.max_bytes = check_budget("max_bytes", max_bytes)
-        if not 0 < backoff <= max_backoff:
-            raise ValueError(f"need 0 < backoff <= max_backoff, got {backoff}, {max_backoff}")
+        self.breaker = Breaker(backoff, max_backoff)  # ValueError on a bad pair
         self.backoff, self.max_backoff = backoff, max_backoff
         self.last_error: str | None = None
         self._counters = Counters()
         self.latency = Latency()  # get/put durations, for metrics
         self._rlog = RateLimitedLog()
-        self._breaker = threading.Lock()
-        self._down_until = 0.0
-        self._delay = backoff
         self._fleet: FleetCounters | None = None
         if type(self)._fleet_add is not BackendBase._fleet_add:  # the store keeps fleet totals
-            self._fleet = FleetCounters(self._counters.snapshot, self._fleet_add)
+            self._fleet = FleetCounters(self._counters.snapshot, self._fleet_add_within)
             flush_at_exit(self)
 
     # ------------------------------------------------------------ raw operations
@@ -182,24 +179,43 @@ class BackendBase:
     def _touch_many(self, keys: list[str]) -> None:
         """Mark keys as just used in the LRU order without reading them; default: nothing."""
 
+    def _within(self) -> contextlib.AbstractContextManager[Any]:
+        """The deadline one call runs under (Redis: ``timeout`` in all); default: none."""
+        return contextlib.nullcontext()
+
+    def _fleet_add_within(self, deltas: dict[str, int]) -> None:
+        """A fleet flush under one deadline; an unreachable store starts the backoff."""
+        start = time.monotonic()
+        try:
+            with self._within():
+                self._fleet_add(deltas)
+        except self._unreachable:
+            self.breaker.failed(time.monotonic() - start)
+            raise
+
     # ------------------------------------------------------------ policy
 
     def _skipping(self) -> bool:
-        return time.monotonic() < self._down_until
+        return self.breaker.skipping()
 
-    def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False) -> None:
+    def error(
+        self,
+        op: str,
+        exc: BaseException | str,
+        n: int = 1,
+        logged: bool = False,
+        spent: float = 0.0,
+    ) -> None:
         """Count a failure of ``op``, keep it in ``last_error`` and log it (rate-limited).
 
-        An unreachable store starts the backoff. ``logged=True``: the caller logs its own line.
+        An unreachable store starts the backoff (:mod:`mlxcache.backends.breaker`; ``spent``:
+        how long the call waited). ``logged=True``: the caller logs its own line.
         """
         self._counters.add("errors", n)
         text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
         where = f"{self.scheme} cache {self.where()}".rstrip()
         if isinstance(exc, self._unreachable):
-            with self._breaker:
-                delay = self._delay
-                self._down_until = time.monotonic() + delay
-                self._delay = min(delay * 2, self.max_backoff)
+            self.breaker.failed(spent)
             self.last_error = f"{where} unreachable during {op} ({exc})"
             topic = "down"
         else:
@@ -209,23 +225,23 @@ class BackendBase:
             self._rlog.warning(topic, "%s", self.last_error)
 
     def _guard(self, op: str, miss: T, fn: Callable[..., T], *args: Any, n: int = 1) -> T:
-        """Run a raw operation; a failure (or a store in backoff) is ``miss``, counted."""
-        if self._skipping():
+        """Run a raw operation under one deadline (``_within``); a failure (or a store in
+        backoff) is ``miss``, counted."""
+        probe = self.breaker.admit()
+        if probe is None:
             self._counters.add("errors", n)
             return miss
+        start = time.monotonic()
         try:
-            result = fn(*args)
+            with self._within():
+                result = fn(*args)
         except Exception as exc:
-            self.error(op, exc, n)
+            self.error(op, exc, n, spent=time.monotonic() - start)
             return miss
-        self._ok()
+        finally:
+            self.breaker.release(probe)
+        self.breaker.ok()
         return result
-
-    def _ok(self) -> None:
-        """The store answered: the next failure starts the backoff from ``backoff`` again."""
-        if self._delay != self.backoff:
-            with self._breaker:
-                self._delay = self.backoff
 
     def where(self) -> str:
         """Where the store is, for messages (never with a password)."""
@@ -243,13 +259,12 @@ class BackendBase:
             return []
         n = len(keys)
         with self.latency.timer("get"):
-            misses: list[Record | None] = [None] * n
-            out = self._guard("get", misses, self._get_many, keys, n=n)
+            out = self._guard("get", [None] * n, self._get_many, keys, n=n)
         found = [r for r in out if r is not None]
         self._counters.add("hits", len(found))
         self._counters.add("misses", n - len(found))
         self._counters.add("bytes_read", sum(r.nbytes for r in found))
-        if self._fleet is not None:
+        if self._fleet is not None and not self._skipping():
             self._fleet.maybe_flush()
         return out
 
@@ -342,8 +357,7 @@ class BackendBase:
         """Keys starting with ``prefix`` (empty on failure)."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        none: list[str] = []
-        return iter(self._guard("keys", none, lambda: list(self._keys(prefix))))
+        return iter(self._guard("keys", [], lambda: list(self._keys(prefix))))
 
     def __len__(self) -> int:
         return self._guard("len", 0, self._count)
@@ -400,7 +414,8 @@ class BackendBase:
         if self._fleet is not None and found is not None:
             self.flush_counters()
             try:
-                out["fleet"] = self._fleet_read()
+                with self._within():
+                    out["fleet"] = self._fleet_read()
             except Exception as exc:
                 self.error("stats", exc)
         return out
@@ -436,8 +451,7 @@ class BackendBase:
         if not self._can_walk():
             return None
         with self.latency.timer("get"):
-            empty: ChainFound | None = ChainFound()
-            found = self._guard("get", empty, self._walk_chain, walk)
+            found = self._guard("get", ChainFound(), self._walk_chain, walk)
         if found is None:
             return None
         hits = [r for r in found.records if r is not None]

@@ -28,6 +28,7 @@ from mlxcache.backends import clock
 from mlxcache.backends.base import BackendBase, check_budget, log
 from mlxcache.backends.clock import check_lifetime
 from mlxcache.backends.fleet import FLEET
+from mlxcache.backends.redis import deadline
 from mlxcache.backends.redis.chunks import (
     MAX_CHUNKS,
     make_manifest,
@@ -63,7 +64,8 @@ def pool_kwargs(timeout: float) -> dict[str, Any]:
     return {
         "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
-        "retry": Retry(NoBackoff(), 1),  # one quick retry for a stale pooled connection
+        # one quick retry of a stale pooled connection; a timeout spent the call's deadline
+        "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         "command_packer": _PACKER,
     }
 
@@ -131,8 +133,8 @@ class RedisBackend(WalkMixin, ReadMixin, BackendBase):
         self.pin_max_bytes = max_bytes if pin_max is None else pin_max
         if router is None:
             pool = redis.ConnectionPool.from_url(url, **pool_kwargs(timeout), **redis_kwargs)
-            router = SingleRouter(pool)
-            url = _public_url(url)
+            router = SingleRouter(deadline.arm(pool))
+            url = redact_uri(url)  # fit to print: user:***@host:port/db, never the password
         self.router = router
         self.url = url
         self.pool = getattr(router, "pool", None)  # one server's pool (None on a Cluster)
@@ -142,6 +144,10 @@ class RedisBackend(WalkMixin, ReadMixin, BackendBase):
 
     def where(self) -> str:
         return self.url
+
+    def _within(self) -> Any:
+        """Every call waits at most ``timeout`` seconds on a silent server, in all."""
+        return deadline.scope(self.timeout)
 
     @property
     def group_budget(self) -> int | None:
@@ -165,12 +171,13 @@ class RedisBackend(WalkMixin, ReadMixin, BackendBase):
             batches.setdefault(id(c), (c, []))[1].append(i)
         return list(batches.values())
 
-    def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False) -> None:
+    def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False,
+              spent: float = 0.0) -> None:  # fmt: skip
         """Count a failure (see BackendBase.error); a router then reads the topology again, so
         a failover or a moved slot is followed."""
         if not isinstance(exc, str):
             self.router.invalidate()
-        super().error(op, exc, n, logged)
+        super().error(op, exc, n, logged, spent)
 
     def _eval(self, target: Any, name: str, g: int, keys: list[str], args: list[Any]) -> Any:
         offset = round(clock.offset() * 1000)  # 0 unless a test moved the lifetime clock
@@ -439,11 +446,6 @@ def _unlink(client: redis.Redis, names: list[bytes]) -> None:
         for name in names:
             pipe.unlink(name)
         pipe.execute()
-
-
-def _public_url(url: str) -> str:
-    """The URL fit to print: ``user:***@host:port/db``, never the password."""
-    return redact_uri(url)
 
 
 _REDIS_OPTIONS = ("db", "username", "password", "max_connections", "ssl_cert_reqs",

@@ -17,6 +17,8 @@ from typing import Any
 import redis
 from redis.sentinel import Sentinel
 
+from mlxcache.backends.redis.deadline import arm
+
 
 class SingleRouter:
     """Every slot is on one server (``redis://``, ``rediss://``, ``unix://``)."""
@@ -58,6 +60,7 @@ class SentinelRouter(SingleRouter):
         self.sentinel = Sentinel(sentinels, sentinel_kwargs=sentinel_kwargs, **kwargs)
         self.service = service
         client = self.sentinel.master_for(service, **kwargs)
+        arm(client.connection_pool)
         super().__init__(client.connection_pool)
         self.one = client
 
@@ -91,7 +94,7 @@ class ClusterRouter:
         with self._lock:
             c = self._pools.get(addr)
             if c is None:
-                pool = redis.ConnectionPool(host=addr[0], port=addr[1], **self.kwargs)
+                pool = arm(redis.ConnectionPool(host=addr[0], port=addr[1], **self.kwargs))
                 c = self._pools[addr] = redis.Redis(connection_pool=pool)
             return c
 

@@ -1,0 +1,150 @@
+"""One deadline per call against a hung Redis (SIGSTOPped: it accepts connections, never answers).
+
+Every operation of every Redis scheme, and PrefixCache lookup and store, returns (a miss,
+False, nothing) within 1.5x the backend's ``timeout`` whatever it does inside (pipelines,
+reconnects and their handshakes, script reloads, a cluster's slot-map refresh, the fleet
+counters); the next call while it stays hung is skipped at once (the backoff); once the
+server resumes, the record stored before reads back whole. Only servers these tests start
+are stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from contextlib import contextmanager
+
+import mlx.core as mx
+import pytest
+from helpers import assert_same, sample_record
+from mlx_lm.models.cache import KVCache
+from redis_server import RedisServer
+
+import mlxcache
+from mlxcache import PrefixCache
+from mlxcache.backends.tiered import tiered_uri
+
+TIMEOUT = 0.3
+LIMIT = 1.5 * TIMEOUT
+GOOD = sample_record()
+
+
+@contextmanager
+def hung(procs):
+    """SIGSTOP the given server processes for the block, SIGCONT them after."""
+    for p in procs:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in procs:
+            os.kill(p.pid, signal.SIGCONT)
+
+
+def redis_backends(b):
+    """The Redis backends a backend calls (itself, or a tiered backend's L2)."""
+    return [x for x in (b, getattr(b, "l2", None)) if hasattr(x, "timeout")]
+
+
+def let_through(b) -> None:
+    """End the backoff, so the next call really waits on the hung server."""
+    for r in redis_backends(b):
+        r.breaker.down_until = 0.0
+
+
+def timed(fn):
+    start = time.monotonic()
+    out = fn()
+    return out, time.monotonic() - start
+
+
+def kv(n: int) -> list[KVCache]:
+    out = []
+    for layer in range(2):
+        c = KVCache()
+        x = mx.full((1, 2, n, 4), 1.0 + layer)
+        c.update_and_fetch(x, -x)
+        out.append(c)
+    return out
+
+
+OPERATIONS = {
+    "get": lambda b: b.get("k"),
+    "get_many": lambda b: b.get_many(["k", "other"]),
+    "put": lambda b: b.put("new", GOOD),
+    "put_many": lambda b: b.put_many([("n1", GOOD), ("n2", GOOD)]),
+    "contains": lambda b: "k" in b,
+    "contains_many": lambda b: b.contains_many(["k", "other"]),
+    "header": lambda b: b.header("k"),
+    "delete": lambda b: b.delete("gone"),
+    "touch_many": lambda b: b.touch_many(["k"]),
+    "keys": lambda b: list(b.keys()),
+    "len": lambda b: len(b),
+    "stats": lambda b: b.stats(),
+    "trim": lambda b: b.trim(1 << 40),
+    "pin": lambda b: b.pin("k") if b.pinnable else None,
+    "flush_counters": lambda b: b.flush_counters(),
+}
+
+
+def check_hung_calls(b, procs, resume=lambda: None) -> None:
+    """Each operation and a PrefixCache lookup/store against the stopped ``procs``."""
+    tokens = list(range(40))
+    pc = PrefixCache(b, model="deadline-test", block_size=16, hot_bytes=0)
+    b.put("k", GOOD)
+    assert_same(b.get("k"), GOOD)
+    assert pc.store(tokens, kv(40)) == 40
+    assert pc.lookup(tokens).num_tokens == 40
+    slow = {}
+    with hung(procs):
+        for name, op in OPERATIONS.items():
+            let_through(b)
+            _, took = timed(lambda op=op: op(b))
+            slow[name] = took
+            _, again = timed(lambda op=op: op(b))  # still hung: skipped at once
+            assert again < TIMEOUT / 2, (name, again)
+        let_through(b)
+        hit, slow["lookup"] = timed(lambda: pc.lookup(tokens))
+        assert hit is None or hit.num_tokens in (0, 40)  # tiered: L1 still answers
+        let_through(b)
+        _, slow["store"] = timed(lambda: pc.store(list(range(100, 140)), kv(40)))
+    assert all(t < LIMIT for t in slow.values()), slow
+    resume()
+    deadline = time.monotonic() + 30
+    while b.get("k") is None:  # the backoff ends, the server answers again
+        assert time.monotonic() < deadline, b.last_error
+        time.sleep(0.1)
+    assert_same(b.get("k"), GOOD)
+    assert pc.lookup(tokens).num_tokens == 40
+    pc.close()
+
+
+@pytest.fixture
+def own_server():
+    server = RedisServer()
+    yield server
+    server.close()
+
+
+def test_a_hung_server_costs_one_timeout_per_call(own_server):
+    with mlxcache.open_backend(f"{own_server.url}?timeout={TIMEOUT}") as b:
+        check_hung_calls(b, [own_server.proc])
+
+
+def test_tiered_over_a_hung_server(own_server):
+    uri = tiered_uri("memory://", f"{own_server.url}?timeout={TIMEOUT}")
+    with mlxcache.open_backend(uri) as b:
+        check_hung_calls(b, [own_server.proc])
+
+
+def test_a_hung_cluster(redis_cluster):
+    procs = [n.proc for n in redis_cluster.nodes]
+    with mlxcache.open_backend(f"{redis_cluster.url}?timeout={TIMEOUT}") as b:
+        check_hung_calls(b, procs, resume=redis_cluster.wait_healthy)
+
+
+def test_a_hung_sentinel_primary(redis_sentinel):
+    procs = [redis_sentinel.primary.proc, redis_sentinel.replica.proc]
+    with mlxcache.open_backend(f"{redis_sentinel.url}?timeout={TIMEOUT}") as b:
+        check_hung_calls(b, procs, resume=redis_sentinel.wait_healthy)
