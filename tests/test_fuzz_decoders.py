@@ -387,3 +387,50 @@ def test_mllm_entries_and_index_over_the_header_cap_are_not_stored_not_raised(tm
     assert m.fetch([], "a")[0] is not None and m.fetch([], "b")[0] is not None
     m.store([], "c", None, [kv], list(range(3 * big)))  # the entry itself is over the cap
     assert m.fetch([], "c") == (None, 0)
+
+
+# ---------------------------------------------------------------- extension types (issue 21)
+
+
+def has_ext(x) -> bool:
+    """Whether a msgpack value holds an extension type (a Timestamp is extension -1)."""
+    if isinstance(x, msgpack.ExtType | msgpack.Timestamp):
+        return True
+    if isinstance(x, list):
+        return any(has_ext(v) for v in x)
+    if isinstance(x, dict):
+        return any(has_ext(k) or has_ext(v) for k, v in x.items())
+    return False
+
+
+def ext_record(value) -> bytes:
+    """A record whose meta is ``{"m": value}`` packed by plain msgpack, checksummed as ours."""
+    header, data = split(st.to_bytes(Record({"x": mx.zeros(3)}, {})))
+    packed = msgpack.packb({"m": value}, use_bin_type=True)
+    header["__metadata__"]["meta"] = base64.b64encode(packed).decode()
+    rechecksum(header, data)
+    return join(header, data)
+
+
+@given(msgpack_values)
+def test_metadata_with_an_extension_type_is_a_format_error(value):
+    try:
+        data = msgpack.packb(value, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError):
+        return
+    if not has_ext(value):
+        return
+    with pytest.raises(FormatError):
+        meta_codec.unpack(data)
+    with pytest.raises(FormatError):
+        st.from_bytes(ext_record(value))
+
+
+@pytest.mark.parametrize(
+    "value",
+    [msgpack.Timestamp(1_700_000_000, 5), [1, {"t": msgpack.Timestamp(0, 0)}],
+     msgpack.ExtType(7, b"x")],
+)  # fmt: skip
+def test_a_timestamp_in_metadata_is_refused(value):
+    with pytest.raises(FormatError, match="extension type"):
+        st.from_bytes(ext_record(value))

@@ -34,8 +34,9 @@ def pack(obj: Any) -> bytes:
 def unpack(data: bytes | bytearray | memoryview) -> Any:
     """Decode what :func:`pack` wrote; lists come back as lists (tuples are not kept).
 
-    Anything else (truncated or trailing bytes, extension types, non-str map keys, invalid
-    UTF-8, more containers than the input could hold in real metadata) is a FormatError.
+        Anything else (truncated or trailing bytes, extension types, non-str map keys, invalid
+        UTF-8, more containers than the input could hold in real metadata) is a FormatError. The
+    writer never stores an extension type, so one (a Timestamp too) means the record was not ours.
     """
     budget = [64 + len(data) // 4]  # real metadata has far fewer containers than bytes / 4
 
@@ -49,26 +50,37 @@ def unpack(data: bytes | bytearray | memoryview) -> Any:
         out = dict(items)
         if len(out) != len(items) or not all(type(k) is str for k in out):
             raise FormatError("metadata map keys must be distinct str")
+        _no_timestamps(out.values())
         return out
 
     def lists(items: list[Any]) -> list[Any]:
         spend()
+        _no_timestamps(items)
         return items
 
     try:
-        return msgpack.unpackb(
+        out = msgpack.unpackb(
             data,
             raw=False,
             strict_map_key=True,
             object_pairs_hook=pairs,
             list_hook=lists,
             ext_hook=_no_ext,
-            timestamp=1,  # a foreign timestamp is a float, never an object
+            timestamp=0,  # a Timestamp object (extension -1, never ext_hook's), refused below
         )
+        _no_timestamps([out])
+        return out
     except FormatError:
         raise
     except Exception as exc:  # msgpack's ValueError/StackError/ExtraData/UnicodeDecodeError...
         raise FormatError(f"malformed metadata: {type(exc).__name__}: {exc}") from None
+
+
+def _no_timestamps(values: Any) -> None:
+    """msgpack decodes its timestamp extension (-1) itself: refuse it as any extension type."""
+    for v in values:
+        if type(v) is msgpack.Timestamp:
+            raise FormatError("metadata holds a msgpack extension type -1 (a timestamp)")
 
 
 def _no_ext(code: int, data: bytes) -> Any:
