@@ -20,7 +20,7 @@ from helpers import bits
 
 import mlxcache
 from mlxcache import Record
-from mlxcache.backends.disk import DiskBackend
+from mlxcache.backends.disk import DiskBackend, durable
 from mlxcache.backends.disk import writes as disk_writes
 
 MODES = ["always", "batch", "never"]
@@ -104,7 +104,7 @@ def test_each_mode_syncs_as_documented(tmp_path, monkeypatch, mode):
         assert many[0] >= 16 and many[1] == 0 and one[0] >= 2 and one[1] == 0
     elif mode == "batch":  # one sync for the batch; a single put as always syncs it
         assert many[1] == 1 and many[0] <= 16 and one[0] >= 2 and one[1] == 0
-        if disk_writes._SYNCFS is not None:
+        if durable._SYNCFS is not None:
             assert many[0] == 0  # Linux: one syncfs, no fsync at all
     else:
         assert many == (0, 0) and one == (0, 0)

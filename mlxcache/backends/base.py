@@ -198,14 +198,8 @@ class BackendBase:
     def _skipping(self) -> bool:
         return self.breaker.skipping()
 
-    def error(
-        self,
-        op: str,
-        exc: BaseException | str,
-        n: int = 1,
-        logged: bool = False,
-        spent: float = 0.0,
-    ) -> None:
+    def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False,
+              spent: float = 0.0) -> None:  # fmt: skip
         """Count a failure of ``op``, keep it in ``last_error`` and log it (rate-limited).
 
         An unreachable store starts the backoff (:mod:`mlxcache.backends.breaker`; ``spent``:

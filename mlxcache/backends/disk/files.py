@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mlxcache.backends.base import log
+from mlxcache.backends.disk import durable
 
 STALE_SECONDS = 3600.0  # debris older than this is removed even if its writer still runs
 QUARANTINE_SECONDS = 7 * 86400.0
@@ -77,21 +78,12 @@ def write_file(
             f.write(view)  # large buffers go to the OS without a copy
         f.flush()
         if fsync:
-            os.fsync(f.fileno())
+            durable.CURRENT.sync_fd(f.fileno())  # F_FULLFSYNC on macOS
 
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new name in ``path`` durable (a no-op where folders cannot be synced)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    durable.CURRENT.sync_path(path, folder=True)
 
 
 def unlink(path: Path | str) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from mlxcache.backends import clock
 from mlxcache.backends.base import log
+from mlxcache.backends.disk import durable
 from mlxcache.backends.disk.files import DATA_NAME, ensure_file
 
 SCHEMA_VERSION = 1
@@ -82,6 +83,8 @@ class IndexMixin:
                 self._index, timeout=self.timeout, isolation_level=None, check_same_thread=False
             )
             conn.execute("PRAGMA synchronous=NORMAL")  # files are fsynced before their row
+            for pragma in durable.CURRENT.pragmas:  # macOS: fullfsync, the drive's cache too
+                conn.execute(pragma)
             self._local.conn = conn
             with self._conns_lock:
                 self._conns.append(conn)

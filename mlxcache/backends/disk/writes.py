@@ -2,7 +2,8 @@
 
 ``sync`` (the ``?sync=`` URI option) says when written files reach the disk:
 
-- ``always``: each file is fsynced, renamed into ``data/`` and its folder fsynced before its row.
+- ``always``: each file is fsynced (``F_FULLFSYNC`` on macOS), renamed into ``data/`` and its
+  folder fsynced before its row.
 - ``batch``: a ``put_many`` writes and renames every file, then syncs once (``syncfs`` of the
   cache's filesystem on Linux; elsewhere each file and each folder once), then publishes every
   row in one transaction. A batch of one is synced as ``always`` syncs it.
@@ -15,16 +16,14 @@ is read as a checksum failure: a miss and a log line. See docs/reliability.md.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import secrets
-import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from mlxcache.backends import clock
+from mlxcache.backends.disk import durable
 from mlxcache.backends.disk.files import ensure_dir, fsync_dir, unlink, write_file
 from mlxcache.backends.disk.index import _UPSERT, SUFFIX
 
@@ -39,44 +38,15 @@ def check_sync(value: object) -> str:
     return str(value)
 
 
-def _load_syncfs() -> Callable[[int], int] | None:
-    """libc's ``syncfs(fd)`` (Linux: flush one filesystem), or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
-    return fn
-
-
-_SYNCFS = _load_syncfs()
-
-
 def sync_all(root: Path, files: list[Path], folders: set[Path]) -> None:
     """Make ``files`` and their names in ``folders`` durable with as few syncs as we can.
 
     Linux: one ``syncfs`` of ``root``'s filesystem (it also flushes other dirty files there).
+    macOS: one fsync per file and folder, then one ``F_FULLFSYNC`` (the drive's cache).
     Elsewhere: one fsync per file, then one per folder. Raises OSError if a sync fails.
+    See :mod:`mlxcache.backends.disk.durable`.
     """
-    if _SYNCFS is not None:
-        fd = os.open(root, os.O_RDONLY)
-        try:
-            if _SYNCFS(fd) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"syncfs of {root} failed: {os.strerror(err)}")
-        finally:
-            os.close(fd)
-        return
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    for folder in folders:
-        fsync_dir(folder)
+    durable.CURRENT.sync_batch(root, files, folders)
 
 
 class WriteMixin:
