@@ -158,9 +158,8 @@ def join_blocks(
     if isinstance(blocks[0], Placed):  # read into joined arrays already (file://)
         joined = blocks[0].join.arrays(len(blocks))
     else:
-        joined = {
-            k: mx.concatenate([b.arrays[k] for b in blocks], axis=-2) for k in blocks[0].arrays
-        }
+        recs = [b for b in blocks if isinstance(b, Record)]
+        joined = {k: mx.concatenate([b.arrays[k] for b in recs], axis=-2) for k in recs[0].arrays}
     joined = kv_quant.restore(joined, blocks[0].meta.get("kvq"), quant)
     out: dict[int, Any] = {}
     for j, tag in enumerate(lay):

@@ -24,6 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
+from mlxcache.buffers import array_memoryview
 from mlxcache.errors import FormatError
 from mlxcache.records import digests, reader
 from mlxcache.records import format as st
@@ -150,7 +151,7 @@ def _itemsize(dtype: str) -> int:
 
 
 def _raw(a: mx.array) -> memoryview:
-    return memoryview(a).cast("B") if a.nbytes else memoryview(b"")
+    return array_memoryview(a).cast("B") if a.nbytes else memoryview(b"")
 
 
 class Tables:

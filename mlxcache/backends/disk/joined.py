@@ -25,6 +25,17 @@ class JoinMixin:
     ``_load``, which follows a concurrent re-put and quarantines unreadable files)."""
 
     joins = True  # what the prefix cache asks before calling get_joined
+    # DiskBackend's, from its other bases (annotations only: the MRO finds the real ones)
+    _data: Any
+    _lookup: Any
+    _load: Any
+    _touch: Any
+    error: Any
+    signer: Any
+    latency: Any
+    _guard: Any
+    _counters: Any
+    _fleet: Any
 
     def get_joined(self, keys: list[str], target: Joined) -> list[Placed | None]:
         """Records of ``keys`` read into rows ``0..len(keys)-1`` of ``target``, verified, in
