@@ -258,3 +258,28 @@ def test_quantized_blocks_restore_as_the_concatenating_path_does(tmp_path):
             assert hit.num_tokens == n
             got.append([bytes(memoryview(mx.contiguous(c.keys))) for c in hit.prompt_cache])
     assert got[0] == got[1]
+
+
+def test_format_1_blocks_are_copied_in_and_still_checked(tmp_path):
+    """Blocks written by mlxcache with format 1 (one sequential hash) are read whole and
+    copied into their rows: the same restore; a flipped byte in one is still a miss there."""
+    from test_format_pieces import as_version_1
+
+    n = 3 * BS + 2
+    cache, toks = kv_cache(n), list(range(1, n + 1))
+    w, r = pair(tmp_path)
+    with w, r:
+        w.store(toks, cache)
+        files = block_files(r.backend)
+        for path in files.values():
+            with open(path, "rb") as f:
+                old = as_version_1(f.read())
+            with open(path, "wb") as f:
+                f.write(old)
+        assert reader.read_header(files[1]).version == 1
+        hit = r.lookup(toks)
+        assert hit.num_tokens == n
+        for a, b in zip(cache, hit.prompt_cache, strict=True):
+            assert bytes(memoryview(b.keys)) == bytes(memoryview(mx.contiguous(a.keys[..., :n, :])))
+        flip(files[2], "data")
+        assert r.lookup(toks).num_tokens == 2 * BS

@@ -236,7 +236,8 @@ def read_into(
     """Read record file ``path`` into its rows of ``target`` (record ``index``), verified.
 
     A file that cannot be opened or read raises OSError; anything wrong in it (its checksum
-    or MAC, a tensor that does not fit the join) a FormatError or UntrustedRecordError.
+    or MAC) a FormatError or UntrustedRecordError; a well-formed record whose tensors do not
+    fit the join NotJoinable, before anything is written.
     """
     with open(path, "rb", buffering=0) as f:
         fd = f.fileno()
@@ -333,7 +334,9 @@ def _copy_in(
     """A format-1 record: read and verified whole, its bytes copied into their rows."""
     rec = reader.read_file(path, key=key, signer=signer)
     for t, segs in zip(header.tensors, segments, strict=True):
-        src, pos = _raw(mx.contiguous(rec.arrays[t.name])), 0
+        arr = mx.contiguous(rec.arrays[t.name])
+        mx.eval(arr)  # built and evaluated on this thread
+        src, pos = _raw(arr), 0
         for seg in segs:
             seg[:] = src[pos : pos + len(seg)]
             pos += len(seg)
