@@ -1,5 +1,5 @@
 """``python -m benchmarks``: throughput, prefix lookup, TTFT, peak memory, the mlx-lm server,
-the peers side by side and the growth curves, in one run.
+the peers side by side, the growth curves and restores for another worker, in one run.
 
 Prints markdown tables, writes the same rows as JSON (``--out``) and, for a full run of every
 section, rewrites the generated part of docs/performance.md (``--doc``). ``--smoke`` runs tiny
@@ -21,7 +21,7 @@ from benchmarks.throughput import Context
 
 SECTIONS = (
     "throughput", "durability", "lookup", "ttft", "rss", "server", "signed", "scale", "peers",
-    "growth", "quant",
+    "growth", "quant", "restore",
 )  # fmt: skip
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
@@ -102,6 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip restore points whose KV is larger than this (default 2)",
     )
     p.add_argument(
+        "--restore-tokens",
+        type=_ints,
+        default=None,
+        help="prompt lengths of the restore-for-another-worker rows (default 2048,8192,32768)",
+    )
+    p.add_argument(
         "--quant-lengths",
         type=_ints,
         default=None,
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     restore_max_gb = args.restore_max_gb or (0.1 if smoke else 2.0)
     quant_lengths = args.quant_lengths or ([64] if smoke else [1024, 4096])
+    restore_tokens = args.restore_tokens or ([512] if smoke else [2048, 8192, 32768])
     scale_sizes = sizes[:1] if smoke else [n for n in (512, 4096) if n in sizes] or sizes[:2]
 
     scratch = Path(tempfile.mkdtemp(prefix="mlxcache-bench-", dir=args.tmpdir))
@@ -200,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import quant
 
                 out += quant.run(quant_lengths, ctx)
+            elif section == "restore":
+                from benchmarks import restore
+
+                out += restore.run(restore_tokens, ctx)
             elif section == "scale":
                 from benchmarks import scale
 
@@ -237,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         "restore_max_gb": restore_max_gb,
         "scale_sizes": scale_sizes,
         "quant_lengths": quant_lengths,
+        "restore_tokens": restore_tokens,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
     }

@@ -24,6 +24,7 @@ from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
 from mlxcache.prefix.hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
 from mlxcache.prefix.plan import Match, Plan, as_tokens
+from mlxcache.prefix.restore import fetch as fetch_records
 from mlxcache.prefix.restore import restore
 from mlxcache.protocol import PinnableBackend
 from mlxcache.records.record import Record
@@ -318,7 +319,7 @@ class PrefixCache:
         else:
             match = self._probe(plan)
             fetch = prefix_probe.fetch_keys(plan, self._key, match, self._vision_key(plan))
-            recs = self.backend.get_many(fetch) if fetch else []
+            recs = fetch_records(self.backend, plan, match, fetch)
         hit = self._assemble(plan, match, recs, require_extras)
         if hot is not None and (hit is None or hit.num_tokens < hot.num_tokens):
             hit = self._hot_serve(hot)  # the longer records did not verify

@@ -15,6 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.records.gather import Placed
 from mlxcache.records.record import Record
 from mlxcache.serializers import adapters, kv_quant
 from mlxcache.serializers.kv_quant import KVQuant
@@ -104,7 +105,11 @@ def _layout_of(m: Mapping[str, Any]) -> list[str]:
 
 
 def check_block(
-    rec: Record, start: int, tokens: bytes, lay: list[str] | None, like: Record | None
+    rec: Record | Placed,
+    start: int,
+    tokens: bytes,
+    lay: list[str] | None,
+    like: Record | Placed | None,
 ) -> list[str]:
     """Verify a fetched block record against the request; returns its layout.
 
@@ -139,16 +144,22 @@ def check_block(
 
 
 def join_blocks(
-    blocks: Sequence[Record], lay: list[str], quant: KVQuant | None = None
+    blocks: Sequence[Record | Placed], lay: list[str], quant: KVQuant | None = None
 ) -> dict[int, Any]:
     """Rebuild every block layer from consecutive verified blocks: {layer index: cache}.
 
+    Placed blocks (the leading records of one ``Joined``) are in their final arrays already;
+    Records are concatenated.
     ``quant`` is the reader's setting: a block stored otherwise raises (a miss); quantized
     arrays are joined, then dequantized once to their original dtype.
     """
     params = blocks[0].meta["params"]
     n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
-    joined = {k: mx.concatenate([b.arrays[k] for b in blocks], axis=-2) for k in blocks[0].arrays}
+    if isinstance(blocks[0], Placed):  # read into joined arrays already (file://)
+        joined = blocks[0].join.arrays(len(blocks))
+    else:
+        recs = [b for b in blocks if isinstance(b, Record)]
+        joined = {k: mx.concatenate([b.arrays[k] for b in recs], axis=-2) for k in recs[0].arrays}
     joined = kv_quant.restore(joined, blocks[0].meta.get("kvq"), quant)
     out: dict[int, Any] = {}
     for j, tag in enumerate(lay):

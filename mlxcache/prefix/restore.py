@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from mlxcache.prefix import records as pr
 from mlxcache.prefix.plan import Match, Plan
-from mlxcache.records.record import Record
+from mlxcache.records.gather import Joined
 from mlxcache.serializers.kv_quant import KVQuant
 
 
@@ -27,10 +27,28 @@ class Restored:
     extras: dict[str, mx.array]
 
 
+def fetch(backend: Any, plan: Plan, match: Match, keys: list[str]) -> list[Any]:
+    """The records of ``keys`` (in ``prefix_probe.fetch_keys`` order) for :func:`restore`.
+
+    One ``get_many``; on a backend that ``joins`` (``file://``) the blocks are read straight
+    into their rows of the final arrays instead (``get_joined``: no per-block arrays, no
+    concatenation) and only the rest (tails, the vision entry) by ``get_many``.
+    """
+    if not keys:
+        return []
+    idx = list(range(match.k + (1 if match.pm else 0)))  # the blocks lead, the partial last
+    if not idx or not getattr(backend, "joins", False):
+        return backend.get_many(keys)
+    rows = [plan.bs] * match.k + ([match.pm] if match.pm else [])
+    out: list[Any] = list(backend.get_joined([keys[i] for i in idx], Joined(rows)))
+    out += backend.get_many(keys[len(idx) :]) if len(keys) > len(idx) else []
+    return out
+
+
 def restore(
     plan: Plan,
     match: Match,
-    recs: list[Record | None],
+    recs: list[Any],
     require_extras: bool,
     quant: KVQuant | None,
     reject: Callable[[Exception], None],
@@ -38,11 +56,12 @@ def restore(
     """Verify what was fetched and rebuild the longest usable length (or None).
 
     ``recs`` are in the order of ``prefix_probe.fetch_keys``: the leading whole blocks, then
-    the partial block and its tail (or the tail at the aligned length). Each record that fails
+    the partial block and its tail (or the tail at the aligned length); blocks are Records, or
+    ``Placed`` ones from :func:`fetch` (already in their joined arrays). Each record that fails
     its checks goes to ``reject`` (logged and counted by the caller) and ends the prefix there.
     """
     bs, k, pm, aligned = plan.bs, match.k, match.pm, match.aligned
-    blocks: list[Record] = []
+    blocks: list[Any] = []
     lay: list[str] | None = None
     for i in range(k):  # whole blocks, in order, until one fails
         rec = recs[i]

@@ -123,31 +123,38 @@ def leaf(kind: str, parts: Sequence[memoryview | bytes]) -> bytes:
     return h.digest()
 
 
-_pool: tuple[int, ThreadPoolExecutor, int] | None = None
+_pools: dict[str, tuple[int, ThreadPoolExecutor, int]] = {}
 _pool_lock = threading.Lock()
+READERS = 4  # threads that read files (blocked in the kernel, like MLX's 4 I/O threads)
 
 
-def _executor() -> tuple[ThreadPoolExecutor, int]:
-    """One process-wide pool (one thread a core, at most 4); a forked child makes its own."""
-    global _pool
+def _executor(kind: str = "hash") -> tuple[ThreadPoolExecutor, int]:
+    """Process-wide pools: ``hash`` has one thread a core (at most 4), ``read`` has READERS;
+    a forked child makes its own."""
     with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            n = max(1, min(4, os.cpu_count() or 1))
-            _pool = (os.getpid(), ThreadPoolExecutor(n, thread_name_prefix="mlxcache-hash"), n)
-        return _pool[1], _pool[2]
+        pool = _pools.get(kind)
+        if pool is None or pool[0] != os.getpid():
+            n = max(1, min(4, os.cpu_count() or 1)) if kind == "hash" else READERS
+            pool = (os.getpid(), ThreadPoolExecutor(n, thread_name_prefix=f"mlxcache-{kind}"), n)
+            _pools[kind] = pool
+        return pool[1], pool[2]
 
 
-def pmap(fn: Callable[[Any], _T], items: Sequence[Any], nbytes: int) -> list[_T]:
+def pmap(
+    fn: Callable[[Any], _T], items: Sequence[Any], nbytes: int, *, pool: str = "hash"
+) -> list[_T]:
     """``[fn(x) for x in items]``, spread over the cores when ``nbytes`` make it pay.
 
     The calling thread works too, and every thread takes the next item as it finishes one, so a
     pool thread that is slow to be scheduled (a busy machine) costs nothing but its share.
     ``fn`` must release the GIL for most of its work (file reads, xxhash and BLAKE3 on large
     buffers do), so the pieces really run on every core. The first error is raised.
+    ``pool="read"`` runs on the reader pool instead (jobs that read files); a job on one pool
+    may use the other, never its own (its helpers could wait behind it).
     """
     if nbytes < _INLINE_BYTES or len(items) < 2:
         return [fn(x) for x in items]
-    pool, workers = _executor()
+    executor, workers = _executor(pool)
     results: list[Any] = [None] * len(items)
     todo = iter(range(len(items)))  # next() on it is atomic under the GIL: one taker per item
     failed: list[BaseException] = []
@@ -162,7 +169,7 @@ def pmap(fn: Callable[[Any], _T], items: Sequence[Any], nbytes: int) -> list[_T]
                 failed.append(exc)
                 return
 
-    helpers = [pool.submit(drain) for _ in range(min(workers, len(items)) - 1)]
+    helpers = [executor.submit(drain) for _ in range(min(workers, len(items)) - 1)]
     drain()
     for h in helpers:
         h.result()
@@ -187,7 +194,7 @@ def root(
     table, then the pieces' BLAKE3 digests, so a changed byte changes a collision-resistant
     digest under the key.
     """
-    table_bytes = pack_table(table)
+    table_bytes = table if isinstance(table, bytes) else pack_table(table)  # packed once
     if kind == SUM:
         h = xxhash.xxh3_128()
         for part in (meta_bytes, table_bytes, b"".join(leaves)):

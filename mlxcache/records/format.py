@@ -238,6 +238,23 @@ def _with_meta(header: Header) -> Header:
     return dataclasses.replace(header, meta=meta)
 
 
+def info_fields(info: dict[str, Any]) -> tuple[int, str, str | None, bytes]:
+    """The checked fields of a header's ``__metadata__``: version, checksum, MAC, meta bytes."""
+    if info.get("format") != FORMAT_NAME:
+        raise FormatError(f"not an mlxcache record (format={info.get('format')!r:.40})")
+    version = _version(info)
+    checksum, mac, meta_b64 = info.get("checksum"), info.get("mac"), info.get("meta")
+    if not isinstance(checksum, str) or not isinstance(meta_b64, str):
+        raise FormatError("header lacks its checksum or metadata")
+    if mac is not None and not isinstance(mac, str):
+        raise FormatError("header has a malformed MAC field")
+    try:
+        meta_bytes = base64.b64decode(meta_b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise FormatError(f"malformed metadata base64: {exc}") from None
+    return version, checksum, mac, meta_bytes
+
+
 def _parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> Header:
     """:func:`parse_header` without decoding the metadata bytes (``meta`` is left empty)."""
     n = _header_length(prefix)
@@ -252,19 +269,7 @@ def _parse_header(prefix: bytes | memoryview, total_size: int | None = None) -> 
         raise FormatError(f"malformed header JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("__metadata__"), dict):
         raise FormatError("not an mlxcache record (no __metadata__)")
-    info = header.pop("__metadata__")
-    if info.get("format") != FORMAT_NAME:
-        raise FormatError(f"not an mlxcache record (format={info.get('format')!r:.40})")
-    version = _version(info)
-    checksum, mac, meta_b64 = info.get("checksum"), info.get("mac"), info.get("meta")
-    if not isinstance(checksum, str) or not isinstance(meta_b64, str):
-        raise FormatError("header lacks its checksum or metadata")
-    if mac is not None and not isinstance(mac, str):
-        raise FormatError("header has a malformed MAC field")
-    try:
-        meta_bytes = base64.b64decode(meta_b64, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise FormatError(f"malformed metadata base64: {exc}") from None
+    version, checksum, mac, meta_bytes = info_fields(header.pop("__metadata__"))
     tensors = sorted((_tensor(k, v) for k, v in header.items()), key=lambda t: (t.begin, t.end))
     expected = 0
     for t in tensors:

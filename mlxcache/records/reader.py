@@ -77,7 +77,7 @@ def _read_pieces(
     fd: int, header: st.Header, key: str | None, signer: Signer | None
 ) -> dict[str, mx.array]:
     """Format 2: every piece read into its array and hashed in the same job; then verified."""
-    arrays = dict(zip((t.name for t in header.tensors), _blank_arrays(header.tensors), strict=True))
+    arrays = dict(zip((t.name for t in header.tensors), blank_arrays(header.tensors), strict=True))
     jobs: list[tuple[memoryview, int]] = []
     for t in header.tensors:  # the order of digests.pieces: tensors by offset, each cut every PIECE
         if t.end == t.begin:
@@ -168,7 +168,7 @@ def _wait_for_stand_ins(timeout: float = 2.0) -> None:
         time.sleep(0.001)
 
 
-def _blank_arrays(tensors: Sequence[st.TensorInfo]) -> list[mx.array]:
+def blank_arrays(tensors: Sequence[st.TensorInfo]) -> list[mx.array]:
     """Evaluated, unfilled arrays of these dtypes and shapes (no pass over their memory)."""
     if not tensors:
         return []

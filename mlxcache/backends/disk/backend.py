@@ -42,6 +42,7 @@ from mlxcache.backends.disk.files import (
     unlink,
 )
 from mlxcache.backends.disk.index import IndexMixin
+from mlxcache.backends.disk.joined import JoinMixin
 from mlxcache.backends.disk.writes import DEFAULT_SYNC, WriteMixin, check_sync
 from mlxcache.backends.fleet import FLEET
 from mlxcache.errors import FormatError, UntrustedRecordError
@@ -52,7 +53,7 @@ from mlxcache.records import signing
 from mlxcache.records.record import Record
 
 
-class DiskBackend(WriteMixin, IndexMixin, BackendBase):
+class DiskBackend(JoinMixin, WriteMixin, IndexMixin, BackendBase):
     """Records as safetensors files under ``path``, LRU over ``max_bytes`` of file bytes.
 
     Many threads and processes may share one folder: ``max_bytes`` caps their common total.

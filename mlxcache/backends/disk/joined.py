@@ -1,0 +1,93 @@
+"""file:// reads of a run of records straight into joined arrays (``get_joined``).
+
+A prefix restore reads many block records and joins them on axis -2. Here the index is asked
+once for every file, the first record's header is read on the caller's thread (it sizes the
+final arrays, see :class:`mlxcache.records.gather.Joined`), then every record on the reader
+pool, each file ``preadv``ed into its rows and verified (checksum, or MAC with a secret) as its
+pieces land. A corrupt or forged file is handled as by ``get``: a miss, unindexed and
+quarantined; a record that does not fit the join (another layout) is a quiet miss and stays.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+from mlxcache.backends.base import check_key
+from mlxcache.records import digests, gather
+from mlxcache.records.gather import Joined, Placed
+
+_MISFIT = object()  # a record read_into refused before writing anything (NotJoinable)
+
+
+class JoinMixin:
+    """``get_joined`` for :class:`~mlxcache.backends.disk.DiskBackend` (uses its index and
+    ``_load``, which follows a concurrent re-put and quarantines unreadable files)."""
+
+    joins = True  # what the prefix cache asks before calling get_joined
+    # DiskBackend's, from its other bases (annotations only: the MRO finds the real ones)
+    _data: Any
+    _lookup: Any
+    _load: Any
+    _touch: Any
+    error: Any
+    signer: Any
+    latency: Any
+    _guard: Any
+    _counters: Any
+    _fleet: Any
+
+    def get_joined(self, keys: list[str], target: Joined) -> list[Placed | None]:
+        """Records of ``keys`` read into rows ``0..len(keys)-1`` of ``target``, verified, in
+        order; None for each miss. Counted as ``get_many`` counts (hits, misses, bytes)."""
+        keys = [check_key(k) for k in keys]
+        n = len(keys)
+        if not n:
+            return []
+        with self.latency.timer("get"):
+            out = self._guard("get", [None] * n, self._get_joined, keys, target, n=n)
+        found = [p for p in out if p is not None]
+        self._counters.add("hits", len(found))
+        self._counters.add("misses", n - len(found))
+        self._counters.add("bytes_read", sum(p.nbytes for p in found))
+        if self._fleet is not None:
+            self._fleet.maybe_flush()
+        return out
+
+    def _get_joined(self, keys: list[str], target: Joined) -> list[Placed | None]:
+        files = self._lookup(keys)
+        if keys[0] not in files:  # the run ends before its first record
+            return [None] * len(keys)
+        tables = gather.Tables()
+
+        def one(i: int) -> tuple[Placed | None, str | None]:
+            key = keys[i]
+
+            def read(path: Any) -> Any:
+                try:
+                    return gather.read_into(path, i, target, tables, key=key, signer=self.signer)
+                except gather.NotJoinable:
+                    return _MISFIT
+
+            try:
+                placed, file = self._load(key, files.get(key), read)
+            except sqlite3.Error as exc:
+                self.error("get", exc)
+                return None, None
+            return (None, None) if placed is _MISFIT else (placed, file)
+
+        try:  # the arrays are allocated here, on this thread, from the first header
+            gather.prepare(self._data / files[keys[0]], target, tables)
+            ready = True
+        except Exception:  # reading the first record below says why (a miss, or quarantine)
+            ready = False
+        if ready:
+            got = digests.pmap(one, list(range(len(keys))), 1 << 30, pool="read")
+        else:
+            got = [one(0)]  # fails as the header did, or allocates once a re-put is seen
+            if got[0][0] is None:  # the run ends before its first record: nothing is used
+                return [None] * len(keys)
+            got += digests.pmap(one, list(range(1, len(keys))), 1 << 30, pool="read")
+        target.release()
+        self._touch([(k, f) for k, (p, f) in zip(keys, got, strict=True) if p is not None and f])
+        return [p for p, _ in got]

@@ -1,0 +1,346 @@
+"""Records read straight into their rows of final arrays: a run of records joined on axis -2.
+
+A prefix restore joins many block records (each holds the same tensors for a few rows of axis
+-2) into one array per tensor. Instead of loading every record and concatenating the pieces
+(two passes over every byte and a copy per piece), :class:`Joined` allocates the final arrays
+once without filling them, and :func:`read_into` ``preadv``s each record's tensor
+bytes straight into its rows there, hashing each piece right after it lands, while it is still
+in cache. Every record is verified in full (its checksum, or its MAC with a secret) before its
+metadata is decoded and returned; a record that fails is a FormatError (or
+UntrustedRecordError) and what it wrote is never served. Format-2 records only; others are
+read whole and copied in. docs/format.md, docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxcache.buffers import array_memoryview
+from mlxcache.errors import FormatError
+from mlxcache.records import digests, reader
+from mlxcache.records import format as st
+from mlxcache.records import meta as meta_codec
+from mlxcache.records.signing import Signer
+
+GROUP_BYTES = 512 << 10  # bytes read by one preadv, then hashed while they are in L2
+_IOV_MAX = 1024
+_DECODER = json.JSONDecoder()
+_HEAD = '{"__metadata__":'
+_FIRST_READ = 16 << 10  # a block record's header is a few KiB: one pread gets it all
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a placed tensor is, without its data: enough for a record's shape checks."""
+
+    shape: tuple[int, ...]
+    dtype: Any
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A record read into its rows of a :class:`Joined`: verified metadata and tensor shapes
+    (``arrays`` maps names to :class:`Shape`, so record checks read it like a Record's)."""
+
+    index: int
+    meta: Mapping[str, Any]
+    arrays: Mapping[str, Shape]
+    join: Joined
+    nbytes: int  # tensor bytes read
+
+
+class NotJoinable(ValueError):
+    """A well-formed record whose tensors do not fit the join (another layout): a miss, and
+    nothing was written; not a corrupt record."""
+
+
+class Joined:
+    """Final arrays for ``rows[i]`` rows of record ``i`` each, joined on axis -2.
+
+    The tensor table comes from the first record read (:meth:`prepare`); every later record
+    must hold the same tensors (names, dtypes, every axis but -2) with exactly its rows.
+    Each join allocates its own arrays, so a restore never shares memory with another.
+    """
+
+    def __init__(self, rows: Sequence[int]) -> None:
+        if not rows or any(r <= 0 for r in rows):
+            raise ValueError("a join needs at least one record of at least one row")
+        self.rows = list(rows)
+        self.starts = [sum(self.rows[:i]) for i in range(len(self.rows))]
+        self.total = sum(self.rows)
+        self.table: dict[str, tuple[str, tuple[int, ...]]] | None = None
+        self._views: dict[str, memoryview] = {}
+        self._final: dict[str, mx.array] = {}
+        self._lock = threading.Lock()
+
+    def prepare(self, tensors: Sequence[st.TensorInfo]) -> None:
+        """Allocate the final arrays from the first record's table (once; not filled)."""
+        with self._lock:
+            if self.table is not None:
+                return
+            table = {}
+            for t in tensors:
+                if len(t.shape) < 2 or t.dtype in st._NOT_MX_LOADABLE:
+                    raise NotJoinable(f"tensor {t.name!r:.80} has no row axis to join on")
+                table[t.name] = (t.dtype, t.shape[:-2] + (self.total,) + t.shape[-1:])
+            infos = []
+            for name, (dtype, shape) in table.items():
+                size = _itemsize(dtype) * math.prod(shape)
+                infos.append(st.TensorInfo(name, dtype, shape, 0, size))
+            # one array a tensor, as mx.load allocates: glibc reuses freed blocks of up to
+            # 32 MiB, while one large buffer would be fresh pages (a fault each) every time
+            views = reader.blank_arrays(infos)
+            mx.eval(views)
+            self._final = dict(zip(table, views, strict=True))
+            self._views = {n: _raw(a) for n, a in self._final.items()}
+            self.table = table
+
+    def segments(self, index: int, tensors: Sequence[st.TensorInfo]) -> list[list[memoryview]]:
+        """For each tensor of record ``index`` (file order), the views its bytes go to, in order."""
+        if self.table is None:
+            raise RuntimeError("Joined.prepare() first")
+        if {t.name for t in tensors} != set(self.table):
+            raise NotJoinable("record tensors differ from the first record's")
+        rows, start, out = self.rows[index], self.starts[index], []
+        for t in tensors:
+            dtype, shape = self.table[t.name]
+            if t.dtype != dtype or t.shape != shape[:-2] + (rows,) + shape[-1:]:
+                raise NotJoinable(f"tensor {t.name!r:.80} has another shape or dtype")
+            row = _itemsize(dtype) * shape[-1]  # bytes of one row of axis -2
+            outer = math.prod(shape[:-2])
+            view, span = self._views[t.name], row * rows
+            out.append(
+                [view[(o * self.total + start) * row :][:span] for o in range(outer)]
+                if span
+                else []
+            )
+        return out
+
+    def arrays(self, upto: int) -> dict[str, mx.array]:
+        """The joined arrays of the first ``upto`` records (the arrays themselves when all of
+        them, else new contiguous arrays of the leading rows: the rest may be unfilled)."""
+        if self.table is None:
+            return {}
+        if upto >= len(self.rows):
+            return dict(self._final)
+        n = self.starts[upto]
+        out = {k: mx.contiguous(a[..., :n, :]) for k, a in self._final.items()}
+        mx.eval(list(out.values()))
+        return out
+
+    def release(self) -> None:
+        """Drop our writable views (after the reads; the arrays stay valid)."""
+        self._views = {}
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(st._BY_NAME[dtype][1]).itemsize
+
+
+def _raw(a: mx.array) -> memoryview:
+    return array_memoryview(a).cast("B") if a.nbytes else memoryview(b"")
+
+
+class Tables:
+    """Tensor tables already checked in one restore, by their header text: block records of
+    one model repeat the same table, so it is parsed and checked once, not once a block."""
+
+    def __init__(self) -> None:
+        self._seen: dict[bytes, tuple[tuple[st.TensorInfo, ...], bytes, int]] = {}
+        self._lock = threading.Lock()
+
+    def header(self, fd: int) -> tuple[st.Header, bytes]:
+        """The checked header of an open record file (meta not decoded) and its packed table."""
+        size = os.fstat(fd).st_size
+        first = os.pread(fd, _FIRST_READ, 0)
+        n = st._header_length(first)
+        if size < 8 + n:
+            raise FormatError(f"header length {n} does not fit the file ({size} bytes)")
+        if len(first) < 8 + n:
+            first += os.pread(fd, 8 + n - len(first), len(first))
+        raw = first[8 : 8 + n]
+        fast = self._fast(raw, size, n)
+        if fast is not None:
+            return fast
+        header = st._parse_header(first[: 8 + n], total_size=size)
+        packed = digests.pack_table(header.tensors)
+        info = _first_info(raw)
+        if info is not None and info[0] == _info_of(raw):  # cache only a table read one way
+            with self._lock:
+                self._seen[raw[info[1] :]] = (header.tensors, packed, header.data_size)
+        return header, packed
+
+    def _fast(self, raw: bytes, size: int, n: int) -> tuple[st.Header, bytes] | None:
+        got = _first_info(raw)
+        if got is None:
+            return None
+        info, end = got
+        hit = self._seen.get(raw[end:])
+        if hit is None:
+            return None
+        tensors, packed, data_size = hit
+        if size != 8 + n + data_size:
+            raise FormatError(f"size is {size} bytes, header says {8 + n + data_size}")
+        version, checksum, mac, meta_bytes = st.info_fields(info)
+        header = st.Header(version, {}, tensors, checksum, 8 + n, data_size, meta_bytes, mac)
+        return header, packed
+
+
+def _first_info(raw: bytes) -> tuple[dict, int] | None:
+    """The ``__metadata__`` object leading an ASCII header and where it ends, else None."""
+    if not raw.startswith(_HEAD.encode()) or not raw.isascii():
+        return None
+    try:
+        info, end = _DECODER.raw_decode(raw.decode("ascii"), len(_HEAD))
+    except (ValueError, RecursionError):
+        return None
+    return (info, end) if isinstance(info, dict) else None
+
+
+def _info_of(raw: bytes) -> Any:
+    try:
+        return json.loads(raw).get("__metadata__")
+    except (ValueError, RecursionError, AttributeError):
+        return None
+
+
+def prepare(path: str | os.PathLike, target: Joined, tables: Tables) -> None:
+    """Size ``target`` from the header of record file ``path`` (on the thread that will use
+    the arrays: MLX allocates them there); its data is read later, by :func:`read_into`."""
+    with open(path, "rb", buffering=0) as f:
+        target.prepare(tables.header(f.fileno())[0].tensors)
+
+
+def read_into(
+    path: str | os.PathLike,
+    index: int,
+    target: Joined,
+    tables: Tables,
+    *,
+    key: str | None = None,
+    signer: Signer | None = None,
+) -> Placed:
+    """Read record file ``path`` into its rows of ``target`` (record ``index``), verified.
+
+    A file that cannot be opened or read raises OSError; anything wrong in it (its checksum
+    or MAC) a FormatError or UntrustedRecordError; a well-formed record whose tensors do not
+    fit the join NotJoinable, before anything is written.
+    """
+    with open(path, "rb", buffering=0) as f:
+        fd = f.fileno()
+        header, packed = tables.header(fd)
+        target.prepare(header.tensors)
+        segments = target.segments(index, header.tensors)
+        if header.version == 1:
+            return _copy_in(path, index, header, target, segments, key, signer)
+        first = digests.SUM if signer is None else digests.MAC
+        pieces = [p for segs in segments for p in _cut(segs)]
+        leaves = _read_hashed(fd, header.data_offset, pieces, first)
+
+    def all_leaves(kind: str) -> Sequence[bytes]:
+        return leaves if kind == first else [digests.leaf(kind, p) for p in pieces]
+
+    check = _Packed(header, packed)
+    digests.verify_leaves(check, all_leaves, key, signer)
+    return _placed(index, header, target)
+
+
+class _Packed:
+    """A header whose table is given packed (``digests.root`` packs it otherwise)."""
+
+    def __init__(self, header: st.Header, packed: bytes) -> None:
+        self.meta_bytes, self.tensors = header.meta_bytes, packed
+        self.checksum, self.mac = header.checksum, header.mac
+
+
+def _placed(index: int, header: st.Header, target: Joined) -> Placed:
+    meta = meta_codec.unpack(header.meta_bytes)
+    if not isinstance(meta, dict):
+        raise FormatError("record metadata is not a map")
+    shapes = {t.name: Shape(t.shape, st._BY_NAME[t.dtype][0]) for t in header.tensors}
+    return Placed(index, meta, shapes, target, header.data_size)
+
+
+def _cut(segments: list[memoryview]) -> list[list[memoryview]]:
+    """A tensor's destination views cut into the parts of each of its PIECE-byte pieces."""
+    out, cur, size = [], [], 0
+    for seg in segments:
+        while len(seg):
+            take = min(len(seg), digests.PIECE - size)
+            cur.append(seg[:take])
+            seg, size = seg[take:], size + take
+            if size == digests.PIECE:
+                out.append(cur)
+                cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _read_hashed(fd: int, offset: int, pieces: list[list[memoryview]], kind: str) -> list[bytes]:
+    """Fill the pieces from ``offset`` on, about GROUP_BYTES a ``preadv``; hash each piece as
+    soon as its group has landed (still in cache). A file cut short is a FormatError."""
+    leaves: list[bytes] = []
+    i = 0
+    while i < len(pieces):
+        group, size = [], 0
+        j = i
+        while j < len(pieces) and (size < GROUP_BYTES or j == i):
+            group += pieces[j]
+            size += sum(len(p) for p in pieces[j])
+            j += 1
+        _preadv_all(fd, group, offset)
+        offset += size
+        leaves += [digests.leaf(kind, pieces[k]) for k in range(i, j)]
+        i = j
+    return leaves
+
+
+def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
+    while views:
+        n = os.preadv(fd, views[:_IOV_MAX], offset)
+        if n == 0:
+            raise FormatError("the file ends before its tensor bytes do (truncated)")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if n:
+            views = [views[0][n:], *views[1:]]
+
+
+def _copy_in(
+    path: Any,
+    index: int,
+    header: st.Header,
+    target: Joined,
+    segments: list[list[memoryview]],
+    key: str | None,
+    signer: Signer | None,
+) -> Placed:
+    """A format-1 record: read and verified whole, its bytes copied into their rows."""
+    rec = reader.read_file(path, key=key, signer=signer)
+    for t, segs in zip(header.tensors, segments, strict=True):
+        arr = mx.contiguous(rec.arrays[t.name])
+        mx.eval(arr)  # built and evaluated on this thread
+        src, pos = _raw(arr), 0
+        for seg in segs:
+            seg[:] = src[pos : pos + len(seg)]
+            pos += len(seg)
+    return _placed(index, header, target)
+
+
+__all__ = ["Joined", "NotJoinable", "Placed", "Shape", "Tables", "prepare", "read_into"]
