@@ -19,9 +19,9 @@ from mlxcache.cli.common import CLIError, check_reachable, errors, open_store
 from mlxcache.cli.demo import DEFAULT_MAX_TOKENS, DEFAULT_PROMPT_TOKENS, run_demo
 from mlxcache.cli.demo_lm import run_lm_demo
 from mlxcache.cli.lifetimes import add_lifetime_commands
+from mlxcache.cli.serve import serve
 from mlxcache.cli.store import add_store_commands
 from mlxcache.integrations.mlx_lm.files import FileError, export_file, import_file
-from mlxcache.integrations.mlx_lm.server import main as serve
 
 DESCRIPTION = "Persistent, shareable prefix caches for MLX inference."
 EPILOG = """cache URIs:
@@ -115,7 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model-kind", choices=("vlm", "lm"), default="vlm",
         help="vlm: cached generation with a tiny VLM; lm: mlxcache serve with a tiny llama",
     )  # fmt: skip
-    sp = add("serve", cmd_serve, "mlx-lm's OpenAI-compatible server on a persistent prompt cache")
+    sp = add(
+        "serve",
+        cmd_serve,
+        "mlx-lm's or mlx-vlm's own server (--engine; picked from the model's config) on a "
+        "persistent prompt cache",
+    )
     sp.add_argument("server_args", nargs=argparse.REMAINDER, help="see mlxcache serve --help")
     sp = add("import", cmd_import, "store an mlx-lm prompt-cache file as one record")
     sp.add_argument("file", help="a .safetensors file from mlx_lm.cache_prompt")
@@ -143,7 +148,7 @@ def _closed_stdout() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["serve"]:  # every other option is mlx_lm.server's: it parses them
+    if argv[:1] == ["serve"]:  # every other option is the engine server's: it parses them
         return cmd_serve(argparse.Namespace(server_args=argv[1:]))
     args = build_parser().parse_args(argv)
     logger = logging.getLogger("mlxcache")

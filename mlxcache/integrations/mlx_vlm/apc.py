@@ -1,0 +1,228 @@
+"""mlx-vlm's automatic prefix cache (APC) with its prefix tier on an mlxcache ``PrefixCache``.
+
+The seam, read in mlx-vlm 0.7.10's wheel (and the same in 0.7.5): the server builds its APC
+with ``mlx_vlm.apc.from_env(model_namespace, overrides)`` at every model load, looked up at call
+time, and the generator asks the manager three things of a block-mode (dense KV) model:
+``lookup_prefix`` (its in-memory block pool), ``lookup_prefix_disk_cache`` (its disk tier,
+a ready prompt cache) and ``store_kv_blocks`` (after prefill). ``SharedAPCManager`` answers the
+first with nothing and the other two from a ``PrefixCache`` on any mlxcache backend, so a
+repeated image prompt is reused in the process, by a second live server and after a restart.
+
+Why not mlx-vlm's memory pool: ``apc_lookup_plan`` drops a pool hit whose prefix holds image
+tokens, and its disk lookup gives way to the pool whenever the pool holds the first block; so
+as shipped an image prompt repeated in one process reuses nothing. The
+``PrefixCache`` hot tier takes the pool's place. Checkpoint-mode models (sliding-window,
+hybrid) keep mlx-vlm's own in-process checkpoints (``lookup_exact_cache``), not shared.
+
+Images: mlx-vlm salts every block hash with a 64-bit hash of the request's ``pixel_values``.
+``hash_image_payload`` is wrapped to remember, for that value, mlxcache's full content digest
+of the same pixels (``hashing.image_digest``: bytes, shape and dtype; every image in order), and
+the prefix cache keys the request by both. ``cached_tokens`` is the length of the prefix the
+``PrefixCache`` verified and handed over, and the generator prefills only the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mlx_vlm import apc as _apc
+
+from mlxcache import hashing
+from mlxcache.prefix import PrefixCache
+
+log = logging.getLogger("mlxcache")
+
+
+class ImageDigests:
+    """mlx-vlm's 64-bit hash of a request's pixels -> mlxcache's 32-byte digest of them."""
+
+    def __init__(self, size: int = 1024) -> None:
+        self._map: OrderedDict[int, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        self._size = size
+
+    def remember(self, key: int, digest: bytes) -> None:
+        with self._lock:
+            self._map[key] = digest
+            self._map.move_to_end(key)
+            while len(self._map) > self._size:
+                self._map.popitem(last=False)
+
+    def get(self, key: int) -> bytes | None:
+        with self._lock:
+            return self._map.get(key)
+
+
+def request_images(digests: ImageDigests, extra_hash: int) -> list[bytes]:
+    """The ``images=`` of a request salted ``extra_hash``: one key for all its media, in order.
+
+    Both parts: mlx-vlm's salt also covers a tenant, audio or video, and the digest makes the
+    pixels' key a full SHA-256 (a salt with no digest, e.g. a tenant's, is keyed by itself).
+    """
+    if not extra_hash:
+        return []
+    salt = int(extra_hash & ((1 << 64) - 1)).to_bytes(8, "little")
+    return [(digests.get(int(extra_hash)) or b"") + salt]
+
+
+class SharedAPCManager(_apc.APCManager):
+    """mlx-vlm's ``APCManager`` with its block pool off and its disk tier a ``PrefixCache``.
+
+    A failing backend is a miss (or an unstored prompt) and a log line, never a failed request.
+    """
+
+    def __init__(
+        self,
+        prefix: PrefixCache,
+        digests: ImageDigests,
+        *,
+        overrides: dict | None = None,
+    ) -> None:
+        super().__init__(num_blocks=1, disk=None, overrides=overrides)
+        self.prefix = prefix
+        self.digests = digests
+
+    def lookup_prefix(self, token_ids: Sequence[int], extra_hash: int = 0):
+        """The block pool is off: the prefix cache (and its hot tier) answers instead."""
+        return [], 0
+
+    def lookup_prefix_disk_cache(
+        self,
+        token_ids: Sequence[int],
+        extra_hash: int = 0,
+        max_prefix_tokens: int | None = None,
+        min_prefix_tokens: int = 0,
+        allow_memory_overlap: bool = False,
+    ) -> tuple[list[Any] | None, int]:
+        """The longest stored prefix, shorter than the prompt and longer than the minimum."""
+        limit = len(token_ids) - 1  # at least one token is prefilled: it gives the logits
+        if max_prefix_tokens:
+            limit = min(limit, int(max_prefix_tokens))
+        if limit <= max(0, min_prefix_tokens):
+            return None, 0
+        try:
+            hit = self.prefix.lookup(
+                [int(t) for t in token_ids[:limit]],
+                images=request_images(self.digests, extra_hash),
+            )
+        except Exception as exc:  # a dead backend: an uncached request, answered
+            log.warning("mlxcache APC: lookup failed, serving uncached: %s", exc)
+            hit = None
+        if hit is None or hit.prompt_cache is None or hit.num_tokens <= min_prefix_tokens:
+            with self.lock:
+                self.stats.misses += 1
+            return None, 0
+        with self.lock:
+            self.stats.hits += 1
+            self.stats.disk_hits += 1
+            self.stats.matched_tokens += hit.num_tokens
+        return hit.prompt_cache, hit.num_tokens
+
+    def store_kv_blocks(
+        self,
+        token_ids: Sequence[int],
+        layer_keys: list[Any],
+        layer_values: list[Any],
+        *,
+        extra_hash: int = 0,
+        skip_first_n_tokens: int = 0,
+    ) -> list:
+        """Store the prompt but its last token (a repeat looks up that prefix); no pool blocks.
+
+        The store is written before it returns (the generator's thread, right after prefill),
+        so a server killed once it has answered has lost nothing it answered.
+        """
+        from mlx_vlm.models.cache import KVCache
+
+        n = min(len(token_ids), int(layer_keys[0].shape[2]) if layer_keys else 0) - 1
+        if n <= 0:
+            return []
+        caches = []
+        for k, v in zip(layer_keys, layer_values, strict=True):
+            c = KVCache()
+            c.state = (k[..., :n, :], v[..., :n, :])
+            caches.append(c)
+        try:
+            written = self.prefix.store(
+                [int(t) for t in token_ids[:n]],
+                caches,
+                images=request_images(self.digests, extra_hash),
+            )
+        except Exception as exc:  # a store failure never fails the request
+            log.warning("mlxcache APC: store failed: %s", exc)
+            return []
+        with self.lock:
+            self.stats.stores += 1
+            self.stats.stored_tokens += written
+        return []
+
+    def stats_snapshot(self) -> dict:
+        """mlx-vlm's APC stats (``/v1/cache/stats``) plus the prefix cache's under ``mlxcache``."""
+        snap = super().stats_snapshot()
+        snap["mlxcache"] = self.prefix.stats()
+        return snap
+
+    def close(self) -> None:
+        self.prefix.close()  # the backend is the server's: it stays open
+        super().close()
+
+
+class Installed:
+    """What ``install`` replaced in mlx-vlm, the managers it built, and how to undo it."""
+
+    def __init__(self) -> None:
+        self.managers: list[SharedAPCManager] = []
+        self.digests = ImageDigests()
+        self._undo: list[tuple[Any, str, Any]] = []
+
+    def replace(self, obj: Any, name: str, value: Any) -> None:
+        self._undo.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def prefix_caches(self) -> list[PrefixCache]:
+        return [m.prefix for m in self.managers]
+
+    def uninstall(self) -> None:
+        for obj, name, value in reversed(self._undo):
+            setattr(obj, name, value)
+        self._undo.clear()
+
+
+def install(
+    make_prefix: Callable[[str], PrefixCache],
+    on_load: Callable[[str], None] | None = None,
+) -> Installed:
+    """Replace ``mlx_vlm.apc.from_env`` and wrap ``mlx_vlm.apc.hash_image_payload``.
+
+    ``make_prefix(model_path)`` builds the prefix cache of the model being loaded (the path
+    mlx-vlm folds into its namespace); ``on_load(model_path)`` runs at every model load. With
+    ``enabled`` false in mlx-vlm's settings (``APC_ENABLED``, ``PATCH /v1/settings``) there is
+    no APC, as in mlx-vlm.
+    """
+    done = Installed()
+    original_hash = _apc.hash_image_payload
+
+    def hash_image_payload(pixel_values: Any = None, image_ref: Any = None) -> int:
+        out = original_hash(pixel_values=pixel_values, image_ref=image_ref)
+        if pixel_values is not None:
+            done.digests.remember(int(out), hashing.image_digest(pixel_values))
+        return out
+
+    def from_env(model_namespace: str | None = None, overrides: dict | None = None):
+        model_path = (model_namespace or "model").rsplit("#", 1)[0]
+        if on_load is not None:
+            on_load(model_path)
+        if overrides is not None and "enabled" in overrides and not overrides["enabled"]:
+            return None
+        manager = SharedAPCManager(make_prefix(model_path), done.digests, overrides=overrides)
+        done.managers.append(manager)
+        log.info("mlxcache APC for %s: %r", model_path, manager.prefix)
+        return manager
+
+    done.replace(_apc, "hash_image_payload", hash_image_payload)
+    done.replace(_apc, "from_env", from_env)
+    return done

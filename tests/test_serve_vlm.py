@@ -1,0 +1,56 @@
+"""``mlxcache serve --engine mlx-vlm``: mlx-vlm's own server on a shared ``file://`` cache.
+
+Real subprocess servers with the tiny local VLM, real HTTP requests with base64 images:
+(a) a repeat in one process, (b) a second live server, (c) SIGKILL and restart.
+"""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from vlm_server import VlmServer
+
+from mlxcache.tiny_models import build_tiny_vlm
+
+BLOCK = ("--cache-block-size", "16")
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory):
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny"))
+
+
+def test_repeat_second_server_and_restart(tiny_vlm, tmp_path):
+    cache = f"file://{tmp_path}/cache"
+    first = VlmServer(tiny_vlm, cache, tmp_path / "first.log", *BLOCK)
+    second = None
+    try:
+        cold, n, cached = first.chat(["A"])
+        assert cached == 0 and n > 20 and cold
+        # (a) the same image request again in this process: all but the last token reused
+        again, n2, cached = first.chat(["A"])
+        assert (again, n2) == (cold, n)
+        assert cached >= n // 2 and cached == n - 1
+        # another image: nothing of A's image prefix is served for it, and the answer differs
+        other, _, cached_b = first.chat(["B"])
+        assert other != cold and cached_b < n // 2
+        # (b) a second live server on the same folder finds what the first stored
+        second = VlmServer(tiny_vlm, cache, tmp_path / "second.log", *BLOCK)
+        warm, n3, cached = second.chat(["B"])
+        assert (warm, n3, cached) == (other, n, n - 1)
+        # ...and the first finds what the second stores
+        c_text, _, cached = second.chat(["C"])
+        assert cached < n // 2
+        assert first.chat(["C"]) == (c_text, n, n - 1)
+        # /metrics: Prometheus text of the prefix cache, parsed by prometheus_client
+        families = {f.name: f for f in text_string_to_metric_families(first.get("/metrics"))}
+        hits = families["mlxcache_prefix_hits"].samples
+        assert sum(s.value for s in hits if s.name.endswith("_total")) >= 2
+        # (c) SIGKILL right after answering, restart on the same folder: the first request hits
+        first.kill()
+        first = VlmServer(tiny_vlm, cache, tmp_path / "restart.log", *BLOCK)
+        assert first.chat(["A"]) == (cold, n, n - 1)
+    finally:
+        first.kill()
+        if second is not None:
+            second.kill()

@@ -1,0 +1,116 @@
+"""A real ``mlxcache serve --engine mlx-vlm`` (or ``python -m mlx_vlm.server``) subprocess.
+
+Tests talk to it with urllib as an OpenAI client would, sending images as base64 data URIs.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from PIL import Image, ImageDraw
+from redis_server import free_port
+
+QUESTION = "Describe this image. What colour is the square?"
+
+
+def image(name: str) -> str:
+    """A small PNG as a data URI: A, B and C differ in colour and shape."""
+    colour = {"A": (255, 255, 255), "B": (0, 0, 128), "C": (0, 160, 0)}[name]
+    im = Image.new("RGB", (112, 112), colour)
+    draw = ImageDraw.Draw(im)
+    if name == "A":
+        draw.rectangle([20, 20, 70, 70], fill=(220, 0, 0))
+    elif name == "B":
+        draw.ellipse([30, 10, 100, 90], fill=(250, 250, 0))
+    else:
+        draw.line([0, 0, 111, 111], fill=(0, 0, 0), width=9)
+    buf = io.BytesIO()
+    im.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+class VlmServer:
+    """The server in a subprocess on a free loopback port; its log goes to a file."""
+
+    def __init__(self, model: str, cache: str | None, log_path, *extra: str, plain=False) -> None:
+        self.model = model
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.pop("APC_ENABLED", None)
+        if plain:  # mlx-vlm's own server, its cache off
+            args = [sys.executable, "-m", "mlx_vlm.server"]
+        else:
+            args = [sys.executable, "-m", "mlxcache", "serve", "--engine", "mlx-vlm"]
+            args += ["--cache", cache] if cache is not None else []
+        args += [
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *extra,
+        ]
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"the server did not start:\n{self.log()}")
+            time.sleep(0.3)
+
+    def chat(self, images=("A",), text: str = QUESTION, max_tokens: int = 8):
+        """(text, prompt_tokens, cached_tokens) of one greedy chat completion."""
+        content = [{"type": "image_url", "image_url": {"url": image(n)}} for n in images]
+        content.append({"type": "text", "text": text})
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=180) as r:
+            out = json.load(r)
+        usage = out["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        return out["choices"][0]["message"]["content"], usage["prompt_tokens"], cached
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return r.read().decode()
+
+    def log(self) -> str:
+        try:
+            return open(self.log_path, encoding="utf-8", errors="replace").read()
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: nothing flushes, nothing shuts down cleanly."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._log.close()
