@@ -1,47 +1,14 @@
-"""Random-weight tiny models built locally (nothing downloaded): VLMs and an mlx-lm text model.
-
-Used by the tests, the demo and the benchmarks. ``qwen2_vl`` has 4 layers, width 256 and
-M-RoPE; ``gemma3`` has 6 layers, width 128 and a sliding window, so its prompt cache mixes
-RotatingKVCache and KVCache. See ``mlxcache/data/tiny_models/README.md``.
-"""
+"""A tiny random-weight llama-shaped mlx-lm model folder, built here (nothing downloaded)."""
 
 from __future__ import annotations
 
 import json
 import os
-from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 
-NAMES = ("qwen2_vl", "gemma3")
-
-
-def load_config(name: str) -> dict[str, Any]:
-    """A fresh copy of the named config dict."""
-    if name not in NAMES:
-        raise ValueError(f"unknown tiny model {name!r}; choose one of {', '.join(NAMES)}")
-    text = resources.files("mlxcache.data").joinpath(f"tiny_models/{name}.json").read_text()
-    return json.loads(text)
-
-
-def build_model(name: str, seed: int = 0):
-    """Build the named tiny model with reproducible random weights; returns (model, config)."""
-    from mlx_vlm.utils import get_model_and_args, update_module_configs
-
-    cfg = load_config(name)
-    arch, _ = get_model_and_args(cfg)
-    model_config = arch.ModelConfig.from_dict(cfg)
-    model_config = update_module_configs(model_config, arch, cfg, ["text", "vision"])
-    mx.random.seed(seed)
-    model = arch.Model(model_config)
-    mx.eval(model.parameters())
-    model.eval()
-    return model, cfg
-
-
-# -- a tiny mlx-lm text model ----------------------------------------------------------------
+from mlxcache.tiny_models.tokenizer import never_ids, train_bpe
 
 LM_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>")
 LM_CHAT_TEMPLATE = (
@@ -85,9 +52,9 @@ def build_tiny_lm(
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer = train_bpe(_LM_TEXT, LM_SPECIAL_TOKENS, vocab_size, unk="<unk>")
     vocab_size = tokenizer.get_vocab_size()
-    never = [i for i in range(vocab_size) if not _printable(tokenizer.decode([i]))]
+    never = never_ids(tokenizer)
     config = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
@@ -125,24 +92,3 @@ def build_tiny_lm(
     special_map = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
     (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2) + "\n")
     return out
-
-
-def _train_tokenizer(vocab_size: int):
-    """A byte-level BPE trained on the built-in text (deterministic: one thread, one text)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(LM_SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_LM_TEXT.splitlines() * 4, trainer=trainer)
-    return tokenizer
-
-
-def _printable(text: str) -> bool:
-    return bool(text) and all(c == "\n" or " " <= c <= "~" for c in text)
