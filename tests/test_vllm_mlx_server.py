@@ -1,0 +1,146 @@
+"""``mlxcache serve --engine vllm-mlx``: vllm-mlx's own HTTP server on the shared cache.
+
+vllm-mlx 0.6 pins mlx-lm < 0.32 (the suite runs mlx-lm 0.32) and hard-requires torchvision, so
+its servers run in a venv of their own (see vllm_servers.py; scripts/test.sh builds it). This
+process only
+builds the tiny model, runs redis-server and talks HTTP with urllib, as any client would.
+Every answer is compared with vllm-mlx's own server with its prefix cache off.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from redis_server import free_port
+from vllm_servers import Server, require_vllm_python, server_args
+
+from mlxcache.tiny_models import build_tiny_lm
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    return require_vllm_python()
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory) -> str:
+    return str(build_tiny_lm(tmp_path_factory.mktemp("lm") / "tiny"))
+
+
+@pytest.fixture
+def servers(tmp_path, vllm_python, tiny_lm):
+    started: list[Server] = []
+
+    def start(cache: str | None, *extra: str) -> Server:
+        n = len(started)
+        args = [*server_args(vllm_python, tiny_lm, cache, False), *extra]
+        s = Server(args, tmp_path / f"server{n}.log", tmp_path / f"home{n}")
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_python, tiny_lm, tmp_path_factory) -> str:
+    """vllm-mlx's own greedy answer to ``CHAT`` with continuous batching, caches off."""
+    tmp = tmp_path_factory.mktemp("reference")
+    args = [*server_args(vllm_python, tiny_lm, None, True), "--continuous-batching"]
+    ref = Server(args, tmp / "server.log", tmp / "home")
+    try:
+        text, _, cached = ref.chat()
+    finally:
+        ref.kill()
+    assert cached is None  # vllm-mlx as shipped reports no cached tokens
+    return text
+
+
+def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
+    """(a) text, --continuous-batching: SIGKILL and restart on file://, the first request
+    hits, same answer; vllm-mlx's own stats count it."""
+    cache = f"file://{tmp_path / 'cache'}"
+    first = servers(cache, "--continuous-batching")
+    text, prompt_tokens, cached = first.chat()
+    assert (text, cached) == (reference, 0)
+    assert prompt_tokens > 128
+    first.kill()
+
+    second = servers(cache, "--continuous-batching")
+    text, _, cached = second.chat()
+    assert text == reference
+    assert cached == prompt_tokens - 1  # all but the last token, which always runs
+    stats = second.get("/v1/cache/stats")["engine_cache"]
+    assert stats["hits"] == 1 and stats["tokens_saved"] == cached
+    assert stats["mlxcache"]["hits"] == 1 and stats["mlxcache"]["lookup_errors"] == 0
+
+
+def test_repeat_in_one_process_reuses_the_prompt(servers, reference, tmp_path):
+    """vllm-mlx's scheduler prefills an exact in-memory match in full; the shared tier gives
+    it all but the last token instead."""
+    s = servers(f"file://{tmp_path / 'cache'}", "--continuous-batching")
+    first, prompt_tokens, _ = s.chat()
+    second, _, cached = s.chat()
+    assert first == second == reference
+    assert cached == prompt_tokens - 1
+
+
+def test_two_live_servers_share_one_redis(servers, reference, redis_url):
+    """(b) the second server hits what the first computed, over a real redis-server."""
+    a = servers(redis_url, "--continuous-batching")
+    b = servers(redis_url, "--continuous-batching")
+    text_a, prompt_tokens, cached_a = a.chat()
+    text_b, _, cached_b = b.chat()
+    assert text_a == text_b == reference
+    assert (cached_a, cached_b) == (0, prompt_tokens - 1)
+
+
+def test_dead_redis_answers_uncached(servers, reference):
+    """(e) nothing listens on the Redis port: correct answers, no HTTP errors."""
+    s = servers(f"redis://127.0.0.1:{free_port()}/0", "--continuous-batching")
+    for _ in range(2):
+        text, _, _ = s.chat()
+        assert text == reference
+    tier = s.get("/v1/cache/stats")["engine_cache"]["mlxcache"]
+    assert tier["hits"] == 0 and tier["tokens_stored"] == 0  # every put failed: a miss
+    with urllib.request.urlopen(s.url + "/metrics", timeout=30) as r:
+        assert b"mlxcache_backend_errors_total" in r.read()
+
+
+def test_metrics_and_models_answer(servers, tmp_path):
+    s = servers(f"file://{tmp_path / 'cache'}", "--continuous-batching")
+    s.chat()
+    with urllib.request.urlopen(s.url + "/metrics", timeout=30) as r:
+        body = r.read().decode()
+    assert "mlxcache_prefix_tokens_written_total" in body or "mlxcache_backend" in body
+    assert s.get("/v1/models")["data"]
+
+
+def _serve(python: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python, "-m", "mlxcache", "serve", "--engine", "vllm-mlx", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    )
+
+
+def test_bad_cache_uri_is_one_line_before_any_port(vllm_python, tiny_lm):
+    port = free_port()
+    run = _serve(vllm_python, "--model", tiny_lm, "--cache", "nosuch://x", "--port", str(port))
+    assert run.returncode == 1
+    assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr, run.stderr
+
+
+def test_without_vllm_mlx_one_line_says_what_to_install(tiny_lm):
+    """This venv (the suite's) has no vllm-mlx: one line, exit 1, no model loaded."""
+    run = _serve(sys.executable, "--model", tiny_lm)
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vllm-mlx is not installed" in lines[0], run.stderr

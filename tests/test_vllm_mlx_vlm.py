@@ -1,0 +1,120 @@
+"""``mlxcache serve --engine vllm-mlx --mllm``: vllm-mlx's server with a tiny VLM, real HTTP.
+
+Images travel as base64 data URLs. Every answer is compared with vllm-mlx's own server with
+its caches off (the batched path's vision cache cannot be turned off, so each reference answer
+comes from a server that has not seen a colliding request). The servers run in the vllm-mlx
+venv (see test_vllm_mlx_server.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from vllm_servers import Server, require_vllm_python, server_args
+
+from mlxcache.tiny_models import build_tiny_vlm
+
+QUESTION = "What is in the picture? Count the shapes."
+
+
+def _data_url(pixels: np.ndarray) -> str:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+IMAGE_A = _data_url(np.zeros((56, 56, 3), np.uint8))
+IMAGE_B = _data_url(np.stack([np.tile(np.linspace(0, 255, 56).astype(np.uint8), (56, 1))] * 3, -1))
+CASES = {
+    "A": [IMAGE_A],
+    "B": [IMAGE_B],
+    "AB": [IMAGE_A, IMAGE_B],
+    "BA": [IMAGE_B, IMAGE_A],
+}
+
+
+def _messages(images: list[str]) -> list[dict]:
+    content = [{"type": "image_url", "image_url": {"url": u}} for u in images]
+    return [{"role": "user", "content": [*content, {"type": "text", "text": QUESTION}]}]
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    return require_vllm_python()
+
+
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory) -> str:
+    return str(build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny"))
+
+
+@pytest.fixture
+def vlm_servers(tmp_path, vllm_python, tiny_vlm):
+    started: list[Server] = []
+
+    def start(cache: str | None, *extra: str, reference: bool = False) -> Server:
+        n = len(started)
+        args = [*server_args(vllm_python, tiny_vlm, cache, reference), "--mllm", *extra]
+        s = Server(args, tmp_path / f"server{n}.log", tmp_path / f"home{n}")
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()
+
+
+def _ask(server: Server, case: str) -> tuple[str, int, int | None]:
+    return server.chat(_messages(CASES[case]), max_tokens=16)
+
+
+def test_simple_mode_reuses_an_image_prompt_and_after_a_restart(vlm_servers, tmp_path):
+    """(c) simple mode: an image request repeated hits (and truly skips its prefill: all
+    but the last token come from the cache), and hits again first thing after SIGKILL."""
+    ref = vlm_servers(None, reference=True)
+    expected, _, _ = _ask(ref, "A")
+    ref.kill()
+
+    cache = f"file://{tmp_path / 'cache'}"
+    first = vlm_servers(cache)
+    text, prompt_tokens, cached = _ask(first, "A")
+    assert (text, cached) == (expected, 0)
+    text, _, cached = _ask(first, "A")
+    assert (text, cached) == (expected, prompt_tokens - 1)
+    first.kill()
+
+    second = vlm_servers(cache)
+    text, _, cached = _ask(second, "A")
+    assert (text, cached) == (expected, prompt_tokens - 1)
+    stats = second.get("/v1/cache/stats")["engine_cache"]["mllm_cache"]
+    assert stats["mlxcache"]["hits"] == 1 and stats["tokens_saved"] == prompt_tokens - 1
+
+
+def test_batched_images_in_order(vlm_servers, tmp_path):
+    """(d) --continuous-batching: A, B, [A, B], [B, A] each answered as vllm-mlx answers it
+    uncached (vllm-mlx's own vision cache answers [B, A] with [A, B]'s entry), and again by a
+    restarted server from the stored vision entries."""
+    flags = ("--continuous-batching",)
+    ref = vlm_servers(None, *flags, reference=True)
+    expected = {case: _ask(ref, case)[0] for case in ("A", "B", "AB")}
+    ref.kill()
+    ref = vlm_servers(None, *flags, reference=True)  # nothing cached: [B, A] its own
+    expected["BA"] = _ask(ref, "BA")[0]
+    ref.kill()
+    assert expected["AB"] != expected["BA"] and expected["A"] != expected["B"]
+
+    cache = f"file://{tmp_path / 'cache'}"
+    first = vlm_servers(cache, *flags)
+    assert {case: _ask(first, case)[0] for case in CASES} == expected
+    first.kill()
+    second = vlm_servers(cache, *flags)
+    assert {case: _ask(second, case)[0] for case in ("BA", "AB")} == {
+        "BA": expected["BA"],
+        "AB": expected["AB"],
+    }
+    vision = second.get("/v1/cache/stats")["engine_cache"]["vision_embedding_cache"]
+    assert vision["pixel_cache_hits"] == 2  # both from the entries the first server stored

@@ -1,0 +1,115 @@
+"""vllm-mlx server subprocesses for the tests: ours (``mlxcache serve --engine vllm-mlx``) and
+vllm-mlx as shipped, in the vllm-mlx venv (``.venv-vllm``, built by ``scripts/vllm_venv.sh``;
+``$MLXCACHE_VLLM_PYTHON`` names another one)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from redis_server import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_PYTHON = os.environ.get("MLXCACHE_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+# vllm-mlx caches prompts of at least 128 tokens (its min_prefix_tokens): this one has ~330
+TEXT = " ".join(f"item {i} is a cat, a dog or a bird by the sea." for i in range(30))
+CHAT = [{"role": "user", "content": TEXT}]
+BLOCK = "16"  # small blocks: the tiny prompts span many
+NAME = "tiny"  # the served model name (vllm-mlx requires "model" in every request)
+
+
+class Server:
+    """A vllm-mlx server subprocess on a free loopback port; its log goes to a file."""
+
+    def __init__(self, args: list[str], log_path: Path, home: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        home.mkdir(parents=True, exist_ok=True)  # vllm-mlx's own disk cache lives under ~
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HOME=str(home))
+        args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        self._log = open(log_path, "ab")
+        self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"vllm-mlx server did not start:\n{self.log()}")
+            time.sleep(0.25)
+
+    def post(self, path: str, body: dict) -> dict:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=180) as r:
+            assert r.status == 200
+            return json.load(r)
+
+    def get(self, path: str) -> dict:
+        with urllib.request.urlopen(self.url + path, timeout=30) as r:
+            return json.load(r)
+
+    def chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int | None]:
+        """(text, prompt_tokens, cached_tokens or None) of one greedy chat completion."""
+        out = self.post(
+            "/v1/chat/completions",
+            {
+                "model": NAME,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+            },
+        )
+        usage = out["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return out["choices"][0]["message"]["content"], usage["prompt_tokens"], cached
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: nothing flushes, nothing is saved at shutdown."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._log.close()
+
+
+def server_args(python: str, model: str, cache: str | None, reference: bool) -> list[str]:
+    if reference:  # vllm-mlx as shipped, its prefix cache off
+        args = [python, "-m", "vllm_mlx.cli", "serve", model, "--disable-prefix-cache"]
+    else:
+        args = [
+            python,
+            "-m",
+            "mlxcache",
+            "serve",
+            "--engine",
+            "vllm-mlx",
+            "--model",
+            model,
+        ]
+        args += ["--cache-block-size", BLOCK] + (["--cache", cache] if cache else [])
+    return [*args, "--served-model-name", NAME]
+
+
+def require_vllm_python() -> str:
+    """The vllm-mlx venv's python; a clear failure (never a skip) when it is missing."""
+    if not os.access(VLLM_PYTHON, os.X_OK):
+        raise RuntimeError(f"no vllm-mlx venv at {VLLM_PYTHON}: run scripts/vllm_venv.sh first")
+    return VLLM_PYTHON
