@@ -86,7 +86,9 @@ def lm_messages(i: int) -> list[dict[str, Any]]:
     ]
 
 
-# The engines a suite runs on: ``--engine mlx-vlm`` and ``--engine vllm-mlx`` join here.
+# The engines tests/test_load_faults.py runs on (one parametrized case each). Another engine
+# joins with its own Engine: a tiny local model builder, flags such as ("--engine", "mlx-vlm"),
+# messages(i) (with an image for a VLM) and reference(), its uncached answer in this process.
 ENGINES = {"mlx-lm": Engine("mlx-lm", _lm_model, (), lm_messages, _lm_reference)}
 
 
@@ -184,8 +186,12 @@ class Worker:
         file it writes may grow past ``nbytes`` (None lifts the limit), as on a full disk."""
         self.file_size_limit = nbytes
         soft = resource.RLIM_INFINITY if nbytes is None else nbytes
-        if self.proc is not None and self.proc.poll() is None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        if hasattr(resource, "prlimit"):
             resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, (soft, resource.RLIM_INFINITY))
+        else:  # no prlimit (macOS): the limit comes with a restart
+            self.restart()
 
     def chat(self, messages: Sequence[dict[str, Any]], max_tokens: int) -> tuple[str, int, int]:
         """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion."""
@@ -217,7 +223,14 @@ class Worker:
         return process_rss(self.proc.pid)
 
     def open_fds(self) -> int:
-        return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+        """Open file descriptors of the worker (``/proc`` on Linux, ``lsof`` elsewhere)."""
+        try:
+            return len(os.listdir(f"/proc/{self.proc.pid}/fd"))
+        except OSError:
+            out = subprocess.run(
+                ["lsof", "-p", str(self.proc.pid)], capture_output=True, text=True
+            ).stdout
+            return max(0, len(out.splitlines()) - 1)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
