@@ -1,5 +1,6 @@
 """``python -m benchmarks``: throughput, prefix lookup, TTFT, peak memory, the mlx-lm server,
-the peers side by side, the growth curves and restores for another worker, in one run.
+the peers side by side, the growth curves and restores for another worker, in one run; the
+soak (``--only soak --minutes 30``) only when asked for.
 
 Prints markdown tables, writes the same rows as JSON (``--out``) and, for a full run of every
 section, rewrites the generated part of docs/performance.md (``--doc``). ``--smoke`` runs tiny
@@ -23,6 +24,8 @@ SECTIONS = (
     "throughput", "durability", "lookup", "ttft", "rss", "server", "signed", "scale", "peers",
     "growth", "quant", "restore",
 )  # fmt: skip
+# run only when named in --only (not part of a full run): the soak takes --minutes
+ON_REQUEST = ("soak",)
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
 VLLM_MLX_NOTE = (
@@ -46,10 +49,11 @@ def _ints(text: str) -> list[int]:
 
 def _sections(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [n for n in names if n not in SECTIONS]
+    bad = [n for n in names if n not in SECTIONS + ON_REQUEST]
     if bad or not names:
         raise argparse.ArgumentTypeError(
-            f"unknown section(s) {', '.join(bad) or '(none)'}; choose from {', '.join(SECTIONS)}"
+            f"unknown section(s) {', '.join(bad) or '(none)'}; choose from "
+            f"{', '.join(SECTIONS + ON_REQUEST)}"
         )
     return names
 
@@ -58,8 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--sizes", type=_ints, default=None, help="KV cache sizes in tokens")
     p.add_argument("--repeat", type=int, default=None, help="timed runs per measurement")
-    p.add_argument("--only", type=_sections, default=list(SECTIONS), help=",".join(SECTIONS))
+    p.add_argument(
+        "--only",
+        type=_sections,
+        default=list(SECTIONS),
+        help=",".join(SECTIONS) + " (default: all of them); " + ",".join(ON_REQUEST),
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes, about 10 seconds")
+    p.add_argument(
+        "--minutes",
+        type=float,
+        default=30.0,
+        help="length of the soak (--only soak; not part of a full run), default 30",
+    )
     p.add_argument("--out", default=DEFAULT_OUT, help="JSON output path")
     p.add_argument(
         "--lookup-blocks",
@@ -211,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import restore
 
                 out += restore.run(restore_tokens, ctx)
+            elif section == "soak":
+                from benchmarks import soak
+
+                out += soak.run(ctx, args.minutes)
             elif section == "scale":
                 from benchmarks import scale
 

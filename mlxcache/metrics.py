@@ -6,6 +6,7 @@ counted twice and counters only grow (``clear()`` deletes entries, never counts)
 
     mlxcache_backend_{hits,misses,evictions,errors,rejected,bytes_read,bytes_written}_total
     mlxcache_backend_{entries,bytes}                          gauges, from the store itself
+    mlxcache_backend_max_bytes                                gauge, the budget (when set)
     mlxcache_backend_{get,put}_seconds                        histograms
     mlxcache_fleet_{hits,misses,...}_total                    every process's, summed in the
                                                               store (file://, redis://)
@@ -99,6 +100,10 @@ class CacheCollector(Collector):
         }
         entries = GaugeMetricFamily("mlxcache_backend_entries", "records stored", labels=labels)
         nbytes = GaugeMetricFamily("mlxcache_backend_bytes", "bytes stored", labels=labels)
+        budget = GaugeMetricFamily(
+            "mlxcache_backend_max_bytes", "byte budget (max_bytes); absent when unlimited",
+            labels=labels,
+        )  # fmt: skip
         fleet = {
             n: CounterMetricFamily(f"mlxcache_fleet_{n}", f"{_HELP[n]}, all processes",
                                    labels=labels)
@@ -117,6 +122,8 @@ class CacheCollector(Collector):
                 family.add_metric(values, float(stats.get(name, 0)))
             entries.add_metric(values, float(stats.get("entries", 0)))
             nbytes.add_metric(values, float(stats.get("bytes", 0)))
+            if stats.get("max_bytes") is not None:
+                budget.add_metric(values, float(stats["max_bytes"]))
             for name, family in fleet.items():
                 if isinstance(stats.get("fleet"), dict):
                     family.add_metric(values, float(stats["fleet"].get(name, 0)))
@@ -128,6 +135,7 @@ class CacheCollector(Collector):
         yield from fleet.values()
         yield entries
         yield nbytes
+        yield budget
         yield from hists.values()
         prefix = {
             n: CounterMetricFamily(f"mlxcache_prefix_{n}", f"PrefixCache {s}", labels=["model"])

@@ -253,7 +253,8 @@ class BackendBase:
             return []
         n = len(keys)
         with self.latency.timer("get"):
-            out = self._guard("get", [None] * n, self._get_many, keys, n=n)
+            misses: list[Record | None] = [None] * n
+            out = self._guard("get", misses, self._get_many, keys, n=n)
         found = [r for r in out if r is not None]
         self._counters.add("hits", len(found))
         self._counters.add("misses", n - len(found))
@@ -351,7 +352,8 @@ class BackendBase:
         """Keys starting with ``prefix`` (empty on failure)."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        return iter(self._guard("keys", [], lambda: list(self._keys(prefix))))
+        none: list[str] = []
+        return iter(self._guard("keys", none, lambda: list(self._keys(prefix))))
 
     def __len__(self) -> int:
         return self._guard("len", 0, self._count)
@@ -445,7 +447,8 @@ class BackendBase:
         if not self._can_walk():
             return None
         with self.latency.timer("get"):
-            found = self._guard("get", ChainFound(), self._walk_chain, walk)
+            empty: ChainFound | None = ChainFound()
+            found = self._guard("get", empty, self._walk_chain, walk)
         if found is None:
             return None
         hits = [r for r in found.records if r is not None]

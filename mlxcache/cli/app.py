@@ -76,24 +76,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    rest = list(args.server_args)
-    engine = "mlx-lm"
-    for i, arg in enumerate(rest):
-        if arg == "--engine" and i + 1 < len(rest):
-            engine = rest.pop(i + 1)
-            rest.pop(i)
-            break
-        if arg.startswith("--engine="):
-            engine = rest.pop(i).split("=", 1)[1]
-            break
-    if engine == "vllm-mlx":  # vllm-mlx's own server: integrations/vllm_mlx/server.py
-        from mlxcache.integrations.vllm_mlx.server import main as serve_vllm_mlx
-
-        return serve_vllm_mlx(rest)
-    if engine != "mlx-lm":
-        print(f"mlxcache: error: unknown --engine {engine!r} (mlx-lm, vllm-mlx)", file=sys.stderr)
-        return 2
-    return serve(rest)
+    return serve(args.server_args)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,4 @@
-"""``mlxcache serve [--engine mlx-lm|mlx-vlm]``: pick the engine, then run its own server.
+"""``mlxcache serve [--engine mlx-lm|mlx-vlm|vllm-mlx]``: pick the engine, run its own server.
 
 Without ``--engine`` the model's ``config.json`` (a folder, or a Hugging Face id already in the
 local cache) decides: a ``vision_config`` means mlx-vlm, anything else mlx-lm; the choice is
@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from importlib import metadata
 
-ENGINES = ("mlx-lm", "mlx-vlm")
+ENGINES = ("mlx-lm", "mlx-vlm", "vllm-mlx")
 # mlx-vlm versions whose server seam (apc.from_env, APCManager, hash_image_payload,
 # server.app.VisionFeatureCache) has the names and signatures mlxcache replaces
 VLM_TESTED = ((0, 7, 5), (0, 8, 0))
@@ -118,6 +118,10 @@ def serve(argv: Sequence[str]) -> int:
             engine = pick_engine(config)
             why = "has a vision_config" if engine == "mlx-vlm" else "has no vision_config"
             print(f"mlxcache serve: engine {engine} (the model's config {why})", file=sys.stderr)
+    if engine == "vllm-mlx":  # checks its own version range before it imports vllm-mlx
+        from mlxcache.integrations.vllm_mlx.server import main as vllm_main
+
+        return vllm_main(rest)
     if engine == "mlx-vlm":
         problem = version_problem()
         if problem:
