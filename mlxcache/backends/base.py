@@ -352,8 +352,7 @@ class BackendBase:
         """Keys starting with ``prefix`` (empty on failure)."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        none: list[str] = []
-        return iter(self._guard("keys", none, lambda: list(self._keys(prefix))))
+        return iter(self._guard("keys", list[str](), lambda: list(self._keys(prefix))))
 
     def __len__(self) -> int:
         return self._guard("len", 0, self._count)
