@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from queue import Queue
 from typing import Any
 
+from mlxcache.integrations.server_options import cache_options
 from mlxcache.prefix.model_id import model_identity
 from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
@@ -29,22 +30,11 @@ END_TIMEOUT = 10.0  # seconds a response waits for its store at most
 
 
 def _options() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mlxcache serve",
-        add_help=False,
-        allow_abbrev=False,  # never take one of mlx-lm's options for an abbreviation of ours
-        description="mlx-lm's server (every mlx_lm.server option) with a persistent prompt "
-        "cache. mlxcache's own options:",
+    p = cache_options(
+        "mlxcache serve",
+        "mlx-lm's server (every mlx_lm.server option) with a persistent prompt cache. "
+        "mlxcache's own options:",
     )
-    p.add_argument(
-        "--cache",
-        default=None,
-        help="cache URI (default: $MLXCACHE_URL, else file://~/.cache/mlxcache)",
-    )
-    p.add_argument(
-        "--cache-block-size", type=int, default=256, help="tokens per stored block (256)"
-    )
-    p.add_argument("--cache-salt", default="", help="isolates tenants sharing one cache")
     p.add_argument(
         "--cache-kv-bits",
         type=int,
@@ -54,12 +44,6 @@ def _options() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cache-kv-group-size", type=int, default=64, help="values per scale (32, 64, 128)"
-    )
-    p.add_argument(
-        "--cache-model-name",
-        default=None,
-        help="the model's name in the shared keys (default: --model as given, a local folder "
-        "by its real path); servers share KV only when name, config and weights layout match",
     )
     return p
 

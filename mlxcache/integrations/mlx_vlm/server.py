@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxcache.backends.base import CacheBackend
+from mlxcache.integrations.server_options import cache_options
 from mlxcache.prefix.model_id import model_identity
 from mlxcache.uri import open_backend
 
@@ -30,32 +31,12 @@ _KV_ENV = ("KV_BITS", "KV_KEY_BITS", "KV_VALUE_BITS", "KV_KEY_SCHEME", "KV_VALUE
 
 
 def _options() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mlxcache serve --engine mlx-vlm",
-        add_help=False,
-        allow_abbrev=False,  # never take one of mlx-vlm's options for an abbreviation of ours
-        description="mlx-vlm's server (every mlx_vlm.server option) with its prefix cache on "
-        "mlxcache. mlxcache's own options:",
+    return cache_options(
+        "mlxcache serve --engine mlx-vlm",
+        "mlx-vlm's server (every mlx_vlm.server option) with its prefix cache on mlxcache. "
+        "mlxcache's own options:",
+        cache_help="cache URI (default: $MLXCACHE_URL, else the folder)",
     )
-    p.add_argument(
-        "--cache",
-        default=None,
-        help="cache URI (default: $MLXCACHE_URL, else the folder)",
-    )
-    p.add_argument(
-        "--cache-block-size",
-        type=int,
-        default=256,
-        help="tokens per stored block (256)",
-    )
-    p.add_argument("--cache-salt", default="", help="isolates tenants sharing one cache")
-    p.add_argument(
-        "--cache-model-name",
-        default=None,
-        help="the model's name in the shared keys (default: --model, a local folder by its "
-        "real path); servers share only when name and config match",
-    )
-    return p
 
 
 def model_folder(model: str) -> str | None:

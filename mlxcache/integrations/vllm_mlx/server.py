@@ -17,6 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from mlxcache.integrations.server_options import cache_options
 from mlxcache.integrations.vllm_mlx import seam
 from mlxcache.integrations.vllm_mlx.shared_tier import LIVE
 from mlxcache.uri import open_backend
@@ -25,29 +26,12 @@ log = logging.getLogger("mlxcache")
 
 
 def _options() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="mlxcache serve --engine vllm-mlx",
-        add_help=False,
-        allow_abbrev=False,  # never take one of vllm-mlx's options for one of ours
-        description="vllm-mlx's server (every `vllm-mlx serve` option) on a persistent, "
-        "shared prefix cache. mlxcache's own options:",
+    p = cache_options(
+        "mlxcache serve --engine vllm-mlx",
+        "vllm-mlx's server (every `vllm-mlx serve` option) on a persistent, shared prefix "
+        "cache. mlxcache's own options:",
     )
     p.add_argument("--model", default=None, help="the model (vllm-mlx's positional MODEL)")
-    p.add_argument(
-        "--cache",
-        default=None,
-        help="cache URI (default: $MLXCACHE_URL, else file://~/.cache/mlxcache)",
-    )
-    p.add_argument(
-        "--cache-block-size", type=int, default=256, help="tokens per stored block (256)"
-    )
-    p.add_argument("--cache-salt", default="", help="isolates tenants sharing one cache")
-    p.add_argument(
-        "--cache-model-name",
-        default=None,
-        help="the model's name in the shared keys (default: --model, a local folder by its "
-        "real path); servers share KV only when name, config and weights layout match",
-    )
     return p
 
 
