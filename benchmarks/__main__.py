@@ -199,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 out += rss.run(rss_sizes, ctx)
             elif section == "server":
-                from benchmarks import lm_server, vlm_server
+                from benchmarks import lm_server, vllm_server, vlm_server
 
                 out += lm_server.run(ctx)
                 out += vlm_server.run(ctx)
+                out += vllm_server.run(ctx)
             elif section == "peers":
                 from benchmarks import peers_lm, peers_vlm
 
