@@ -17,7 +17,7 @@ own disk cache would be found) and on mlxcache (``--cache file://...``):
 - ``after a restart (SIGKILL)``: both killed, a new server answers first thing (after an
   untimed warm-up on another prompt).
 Ratios are shipped / ours in the same run (> 1 = mlxcache is faster). Left out of ``--smoke``:
-the eight server starts take about a minute.
+its twelve server starts take about 90 s.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def _measure(
 
 def run(ctx: Any) -> list[Row]:
     if ctx.smoke:
-        ctx.note("vllm-mlx server TTFT rows are left out of --smoke (eight server starts).")
+        ctx.note("vllm-mlx server TTFT rows are left out of --smoke (twelve server starts).")
         return []
     if not os.access(VLLM_PYTHON, os.X_OK):
         ctx.note(
