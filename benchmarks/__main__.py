@@ -29,10 +29,10 @@ ON_REQUEST = ("soak",)
 DEFAULT_DOC = "docs/performance.md"
 DEFAULT_OUT = "benchmarks/results/latest.json"
 VLLM_MLX_NOTE = (
-    "vllm-mlx is not measured: vllm-mlx 0.6.0 (the version on the package index here) requires "
-    "mlx-lm<0.32, while this benchmark and mlxcache's tests run mlx-lm 0.32, and it pulls "
-    "torch/torchvision, gradio and opencv; its SSD prefix cache (vllm_mlx/ssd_cache.py) runs "
-    "inside its own engine, so measuring it needs a second environment, not done here."
+    "vllm-mlx's caches are not measured in-process here: vllm-mlx 0.6.0 requires mlx-lm<0.32, "
+    "while this benchmark and mlxcache's tests run mlx-lm 0.32, and it pulls torch/torchvision, "
+    "gradio and opencv; its server is measured in the server section, in a venv of its own "
+    "(benchmarks/vllm_server.py, .venv-vllm)."
 )
 
 
@@ -199,10 +199,11 @@ def main(argv: list[str] | None = None) -> int:
 
                 out += rss.run(rss_sizes, ctx)
             elif section == "server":
-                from benchmarks import lm_server, vlm_server
+                from benchmarks import lm_server, vllm_server, vlm_server
 
                 out += lm_server.run(ctx)
                 out += vlm_server.run(ctx)
+                out += vllm_server.run(ctx)
             elif section == "peers":
                 from benchmarks import peers_lm, peers_vlm
 
