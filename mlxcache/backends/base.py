@@ -179,9 +179,8 @@ class BackendBase:
     def _touch_many(self, keys: list[str]) -> None:
         """Mark keys as just used in the LRU order without reading them; default: nothing."""
 
-    def _within(self) -> contextlib.AbstractContextManager[Any]:
-        """The deadline one call runs under (Redis: ``timeout`` in all); default: none."""
-        return contextlib.nullcontext()
+    def _within(self) -> contextlib.AbstractContextManager[Any]:  # the deadline of one call
+        return contextlib.nullcontext()  # (Redis: ``timeout`` in all); default: none
 
     def _fleet_add_within(self, deltas: dict[str, int]) -> None:
         """A fleet flush under one deadline; an unreachable store starts the backoff."""
@@ -253,7 +252,8 @@ class BackendBase:
             return []
         n = len(keys)
         with self.latency.timer("get"):
-            out = self._guard("get", [None] * n, self._get_many, keys, n=n)
+            misses: list[Record | None] = [None] * n
+            out = self._guard("get", misses, self._get_many, keys, n=n)
         found = [r for r in out if r is not None]
         self._counters.add("hits", len(found))
         self._counters.add("misses", n - len(found))
@@ -351,7 +351,8 @@ class BackendBase:
         """Keys starting with ``prefix`` (empty on failure)."""
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-        return iter(self._guard("keys", [], lambda: list(self._keys(prefix))))
+        none: list[str] = []
+        return iter(self._guard("keys", none, lambda: list(self._keys(prefix))))
 
     def __len__(self) -> int:
         return self._guard("len", 0, self._count)
@@ -445,7 +446,8 @@ class BackendBase:
         if not self._can_walk():
             return None
         with self.latency.timer("get"):
-            found = self._guard("get", ChainFound(), self._walk_chain, walk)
+            empty: ChainFound | None = ChainFound()
+            found = self._guard("get", empty, self._walk_chain, walk)
         if found is None:
             return None
         hits = [r for r in found.records if r is not None]
