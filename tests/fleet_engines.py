@@ -39,6 +39,7 @@ class Engine:
     # tier may then serve every prompt while the store is down)
     hot: tuple[str, ...] = ()
     scale: float = 1.0  # the share of the load-and-fault suite's requests it runs
+    heal_case: bool = False  # its Redis scenario also checks healing (a third worker)
 
 
 def chat(url: str, messages: Messages, max_tokens: int, extra: dict[str, Any]) -> dict:
@@ -151,7 +152,13 @@ VLLM_FLAGS = ("--engine", "vllm-mlx", "--cache-block-size", "16", "--continuous-
 # Redis scenario, with half the requests (CI time); mlx-lm runs every scenario.
 ENGINES = {
     "mlx-lm": Engine(
-        "mlx-lm", _lm_model, (), lm_messages, _lm_answers, hot=("--prompt-cache-bytes", "150000")
+        "mlx-lm",
+        _lm_model,
+        (),
+        lm_messages,
+        _lm_answers,
+        hot=("--prompt-cache-bytes", "150000"),
+        heal_case=True,
     ),  # fmt: skip
     "mlx-vlm": Engine(
         "mlx-vlm",

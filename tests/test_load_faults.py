@@ -12,6 +12,7 @@ Real parts only: redis-server and the workers are subprocesses, requests are rea
 from __future__ import annotations
 
 import signal
+import time
 
 import pytest
 from redis_server import RedisServer
@@ -19,6 +20,7 @@ from serve_fleet import ENGINES, Load, Worker, start_workers
 
 PROMPTS = 4  # distinct prompts (they share a system prompt: partial hits too)
 NEW = range(PROMPTS, 2 * PROMPTS)  # prompts first sent while the store is failing
+HEAL = 2 * PROMPTS  # sent only to the healer, before Redis dies (then hot there alone)
 MAX_TOKENS = 4
 # mlx-lm only: the scenarios that test the shared cache's code rather than an engine's seam
 LM_ONLY = pytest.mark.parametrize("engine", ["mlx-lm"], indirect=True)
@@ -91,12 +93,47 @@ def sigkill(redis: RedisServer) -> None:
     redis.proc = None
 
 
+def heal_started(engine, model, fleet, url: str, folder) -> tuple[Worker, float, int, str]:
+    """The healer: a third worker (the default hot tier) that alone is sent ``HEAL``, once, now:
+    a miss, computed, stored in Redis and kept in its hot tier. (healer, when, tokens, text)"""
+    folder.mkdir()
+    (healer,) = fleet(engine, model, url, folder, n=1)
+    (want,) = engine.answers(model, [engine.messages(HEAL)], MAX_TOKENS, folder)
+    text, n, cached = healer.chat(engine.messages(HEAL), MAX_TOKENS)
+    assert (text, cached) == (want, 0)
+    return healer, time.monotonic(), n, want
+
+
+def heals(engine, healer: Worker, since: float, n: int, want: str, other: Worker, redis) -> None:
+    """Redis restarted empty since ``HEAL`` was stored: the healer's next hit of it (from its
+    hot tier) finds its records gone and writes them back, so ``other``, a worker that never
+    saw the prompt, hits all of it in Redis instead of computing it."""
+    from mlxcache.prefix.hot import TOUCH_EVERY  # a hot hit asks the store at most this often
+
+    healer.chat(engine.messages(0), MAX_TOKENS)  # its Redis client reconnects (a hit)
+    time.sleep(max(0.0, since + TOUCH_EVERY + 0.5 - time.monotonic()))
+    with redis.client() as c:
+        before = c.dbsize()
+        assert (healer.chat(engine.messages(HEAL), MAX_TOKENS)) == (want, n, n - 1)  # hot hit
+        deadline = time.monotonic() + 20  # the write-back runs on the healer's writer thread
+        while c.dbsize() == before and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.dbsize() > before, "the hot prompt was not written back"
+    time.sleep(0.5)  # its last records (a sibling entry) land
+    assert other.chat(engine.messages(HEAL), MAX_TOKENS) == (want, n, n - 1)
+
+
 def test_redis_and_a_worker_killed_under_load(engine, model, uncached, fleet, tmp_path):
     def n(requests: int) -> int:  # the newer engines run a share of the requests (CI time)
         return max(6, round(requests * engine.scale))
 
     with RedisServer() as redis:
-        workers = fleet(engine, model, redis.url + "?timeout=0.5", tmp_path, flags=engine.hot)
+        url = redis.url + "?timeout=0.5"
+        if engine.heal_case:
+            healer, since, heal_n, heal_text = heal_started(
+                engine, model, fleet, url, tmp_path / "healer"
+            )
+        workers = fleet(engine, model, url, tmp_path, flags=engine.hot)
         with Load(workers, range(PROMPTS)) as load:
             warm = load.wait_for(n(40))  # both workers warm: hits from Redis and their hot tiers
             sigkill(redis)  # Redis dies with everything it held
@@ -119,6 +156,9 @@ def test_redis_and_a_worker_killed_under_load(engine, model, uncached, fleet, tm
             assert c.dbsize() > 0  # the empty Redis was filled again
         # the restarted worker (a new process) found prompts in the refilled Redis
         assert workers[1].metrics()["mlxcache_backend_hits_total"] > 0
+        if engine.heal_case:  # healing: a prompt hot on the healer only becomes a hit elsewhere
+            heals(engine, healer, since, heal_n, heal_text, workers[1], redis)
+            assert "Traceback" not in healer.log(), healer.log()[-3000:]
 
 
 @LM_ONLY
