@@ -179,9 +179,8 @@ class BackendBase:
     def _touch_many(self, keys: list[str]) -> None:
         """Mark keys as just used in the LRU order without reading them; default: nothing."""
 
-    def _within(self) -> contextlib.AbstractContextManager[Any]:
-        """The deadline one call runs under (Redis: ``timeout`` in all); default: none."""
-        return contextlib.nullcontext()
+    def _within(self) -> contextlib.AbstractContextManager[Any]:  # the deadline of one call
+        return contextlib.nullcontext()  # (Redis: ``timeout`` in all); default: none
 
     def _fleet_add_within(self, deltas: dict[str, int]) -> None:
         """A fleet flush under one deadline; an unreachable store starts the backoff."""

@@ -19,6 +19,7 @@ from mlxcache import hashing
 from mlxcache.backends.base import CacheBackend, log, put_all
 from mlxcache.backends.chains import add_sibling, walk_chain, walks_chains
 from mlxcache.backends.writer import BackgroundWriter
+from mlxcache.prefix import heal
 from mlxcache.prefix import probe as prefix_probe
 from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
@@ -96,12 +97,12 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.writer: BackgroundWriter | None = None  # made by the first background store
         hot = HotPrefixes(hot_bytes, block_size, self._key)  # validates hot_bytes
-        self._hot: HotPrefixes | None = hot if hot_bytes else None
+        self._hot = hot if hot_bytes else None
         self.hot_probe = bool(hot_probe)
         self._counts = dict.fromkeys(
             ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
              "stores", "tokens_written", "records_written", "rejected", "records_pinned",
-             "pins_refused"), 0)  # fmt: skip
+             "pins_refused", "records_healed"), 0)  # fmt: skip
 
     # ------------------------------------------------------------ keys
 
@@ -233,8 +234,7 @@ class PrefixCache:
             if end is not None:  # built only under a key
                 todo.append((cast(str, end_key), end, 0))
         if self._hot is not None and n and self.kv_quant is None:
-            # quantized: only what a backend hit gives (dequantized) goes hot, so a prefix
-            # decodes the same whether it comes from the hot tier or the backend
+            # quantized: only backend hits (dequantized) go hot: a prefix decodes the same
             self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:
             written = self._write(todo, sibling)
@@ -312,7 +312,7 @@ class PrefixCache:
             not self.hot_probe
             or self._beyond(plan, hot.num_tokens, need_vision) == (hot.num_tokens, False)
         ):  # nothing longer in the backend (nor vision embeddings the entry lacks): no read
-            return self._counted(len(tokens), self._hot_serve(hot))
+            return self._counted(len(tokens), self._hot_serve(hot, plan))
         walked = self._walk(plan)
         if walked is not None:
             match, recs = walked
@@ -322,7 +322,7 @@ class PrefixCache:
             recs = fetch_records(self.backend, plan, match, fetch)
         hit = self._assemble(plan, match, recs, require_extras)
         if hot is not None and (hit is None or hit.num_tokens < hot.num_tokens):
-            hit = self._hot_serve(hot)  # the longer records did not verify
+            hit = self._hot_serve(hot, plan)  # the longer records did not verify
         elif self._hot is not None and hit is not None:
             self._hot.keep_hit(plan, hit, require_extras, self._vision_key(plan))
         return self._counted(len(tokens), hit)
@@ -422,14 +422,32 @@ class PrefixCache:
 
     # ------------------------------------------------------------ the hot tier
 
-    def _hot_serve(self, entry: HotEntry) -> PrefixHit:
+    def _hot_serve(self, entry: HotEntry, plan: Plan) -> PrefixHit:
         assert self._hot is not None
         layers, extras, vision = self._hot.serve(entry)
         if vision is not None:
             self._count(vision_hits=1)
         if entry.keys and self._hot.due_touch(entry):
-            self._touch(list(entry.keys))
+            self._heal(plan, entry)
         return PrefixHit(entry.num_tokens, layers, extras, vision)
+
+    def _heal(self, plan: Plan, entry: HotEntry) -> None:
+        """Write back the records of a hot entry the backend lost, touch the rest (see
+        prefix/heal.py; quantized: never, a hot entry holds the dequantized values)."""
+        keys = list(entry.keys)
+        gone = heal.lost(self.backend, keys) if self.kv_quant is None else []
+        if gone:
+            todo, sibling = heal.rebuild(plan, entry, self._key, set(gone), self._vision_key(plan))
+            mx.eval([a for _, rec in todo for a in rec.arrays.values()])
+            if todo:
+                nbytes = sum(rec.nbytes for _, rec in todo)
+
+                def write() -> None:
+                    self._count(records_healed=heal.write_back(self.backend, todo, sibling))
+
+                self._writer().submit(write, nbytes)
+        if rest := [k for k in keys if k not in gone]:
+            self._touch(rest)
 
     def _touch(self, keys: list[str]) -> None:
         """Refresh the backend's LRU order of a hot entry's records, off the caller's thread."""

@@ -16,7 +16,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -53,6 +53,12 @@ class DeadlineConnection:
     """Mixed into a redis-py connection class: each connect, send and read waits at most what
     is left of the current call's deadline (and never more than the configured timeouts)."""
 
+    # the connection class's own, found by the MRO (declared for type checkers)
+    _sock: Any
+    socket_timeout: float | None
+    socket_connect_timeout: float | None
+    connect: Any
+
     def _wait(self, configured: float | None) -> float | None:
         d = _current.get()
         if d is None:
@@ -64,7 +70,7 @@ class DeadlineConnection:
         configured = self.socket_connect_timeout
         self.socket_connect_timeout = self._wait(configured)
         try:
-            return super()._connect()
+            return cast(Any, super())._connect()
         finally:
             self.socket_connect_timeout = configured
 
@@ -77,11 +83,11 @@ class DeadlineConnection:
         if self._sock is None:
             self.connect()  # within the deadline, and the send below too
         self._arm_socket()
-        super().send_packed_command(command, check_health)
+        cast(Any, super()).send_packed_command(command, check_health)
 
     def read_response(self, *args: Any, **kwargs: Any) -> Any:
         self._arm_socket()
-        reply = super().read_response(*args, **kwargs)
+        reply = cast(Any, super()).read_response(*args, **kwargs)
         d = _current.get()
         if d is not None:
             d.answered()
