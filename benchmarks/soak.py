@@ -50,7 +50,7 @@ def run(ctx: Any, minutes: float) -> list[Row]:
 
     def answer_of(p: int) -> str:
         if p not in uncached:
-            uncached[p] = engine.reference(model, engine.messages(p), MAX_TOKENS)
+            (uncached[p],) = engine.answers(model, [engine.messages(p)], MAX_TOKENS, logs)
         return uncached[p]
 
     for p in range(REPEATED):

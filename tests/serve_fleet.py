@@ -1,21 +1,20 @@
 """Workers of ``mlxcache serve`` under load and faults, for tests/test_load_faults.py and the soak.
 
-An ``Engine`` says how to build a tiny local model and what a request to it looks like; a
-``Worker`` is one ``mlxcache serve`` subprocess on a fixed loopback port (SIGKILLed and started
-again on the same port); a ``Load`` runs client threads that send a few distinct prompts to
-every worker at once and records each answer (or failure) with the worker's generation, so a
-failure can be told apart: in flight to a worker that was killed, or not.
+An ``Engine`` (tests/fleet_engines.py) says how to build a tiny local model, what a request to
+it looks like and what it answers uncached; a ``Worker`` is one ``mlxcache serve`` subprocess on
+a fixed loopback port (SIGKILLed and started again on the same port); a ``Load`` runs client
+threads that send a few distinct prompts to every worker at once and records each answer (or
+failure) with the worker's generation, so a failure can be told apart: in flight to a worker
+that was killed, or not.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -25,8 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fleet_engines import ENGINES, REQUEST_TIMEOUT, Engine, chat, text_of
+
+__all__ = ["ENGINES", "Answer", "Engine", "Load", "Worker", "free_port", "start_workers"]
+
 START_TIMEOUT = 180.0  # seconds a worker may take to answer /health (2 busy cores)
-REQUEST_TIMEOUT = 120.0
 
 
 def free_port() -> int:
@@ -34,62 +36,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass(frozen=True)
-class Engine:
-    """One ``mlxcache serve --engine``: its tiny model, its flags, its requests and the answer
-    the engine gives in this process with no cache at all (what every cached answer must be)."""
-
-    name: str
-    build: Callable[[Path], str]  # a folder to build in -> the --model argument
-    flags: tuple[str, ...]
-    messages: Callable[[int], list[dict[str, Any]]]  # prompt i -> chat messages
-    reference: Callable[[str, list[dict[str, Any]], int], str]  # model, messages, max_tokens
-
-
-def _lm_reference(model: str, messages: list[dict[str, Any]], max_tokens: int) -> str:
-    from mlx_lm import generate, load
-
-    lm, tokenizer = _loaded(model, load)
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    return generate(lm, tokenizer, prompt=prompt, max_tokens=max_tokens)
-
-
-_LOADED: dict[str, Any] = {}
-
-
-def _loaded(model: str, load: Callable[[str], Any]) -> Any:
-    if model not in _LOADED:
-        _LOADED[model] = load(model)
-    return _LOADED[model]
-
-
-def _lm_model(folder: Path, **sizes: int) -> str:
-    from mlxcache.tiny_models import build_tiny_lm
-
-    return str(build_tiny_lm(folder / "tiny-lm", **sizes))
-
-
-TOPICS = ("a cat", "the sea", "a red kite", "the hills", "a lighthouse", "a fox", "rain", "bread")
-
-
-SYSTEM = " ".join(["You are a storyteller who knows the hills and the sea."] * 16)
-
-
-def lm_messages(i: int) -> list[dict[str, Any]]:
-    """Prompt ``i``: a long system prompt every prompt shares, then a distinct user turn (about
-    230 tokens in all on the tiny model: 120 KB of KV)."""
-    return [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": f"Tell story {i} about {TOPICS[i % len(TOPICS)]}, please."},
-    ]
-
-
-# The engines tests/test_load_faults.py runs on (one parametrized case each). Another engine
-# joins with its own Engine: a tiny local model builder, flags such as ("--engine", "mlx-vlm"),
-# messages(i) (with an image for a VLM) and reference(), its uncached answer in this process.
-ENGINES = {"mlx-lm": Engine("mlx-lm", _lm_model, (), lm_messages, _lm_reference)}
 
 
 @dataclass
@@ -129,10 +75,15 @@ class Worker:
         self.file_size_limit: int | None = None  # RLIMIT_FSIZE of the next start
 
     def start(self, wait: bool = True) -> Worker:
-        args = [sys.executable, "-m", "mlxcache", "serve", "--model", self.model]
+        args = [self.engine.python(), "-m", "mlxcache", "serve", "--model", self.model]
         args += [*self.engine.flags, "--cache", self.cache]
         args += ["--host", "127.0.0.1", "--port", str(self.port), *self.extra]
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.pop("APC_ENABLED", None)
+        if self.engine.own_home:  # e.g. vllm-mlx's own disk cache lives under ~
+            home = self.log_path.with_suffix(".home")
+            home.mkdir(parents=True, exist_ok=True)
+            env["HOME"] = str(home)
         # a pipe, not the file: a file-size limit on the worker must not stop its log
         limit = self.file_size_limit
         self.proc = subprocess.Popen(
@@ -194,18 +145,11 @@ class Worker:
             self.restart()
 
     def chat(self, messages: Sequence[dict[str, Any]], max_tokens: int) -> tuple[str, int, int]:
-        """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion."""
-        body = json.dumps({"messages": list(messages), "max_tokens": max_tokens}).encode()
-        req = urllib.request.Request(
-            self.url + "/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT) as r:
-            out = json.load(r)
+        """(text, prompt_tokens, cached_tokens) of one greedy, non-streaming chat completion."""
+        out = chat(self.url, list(messages), max_tokens, self.engine.body(self.model))
         usage = out["usage"]
-        text = out["choices"][0]["message"]["content"]
-        return text, usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        return text_of(out), usage["prompt_tokens"], cached
 
     def metrics(self) -> dict[str, float]:
         """``/metrics`` as {sample name: value summed over its labels}."""
