@@ -96,3 +96,26 @@ class CountingBackend(MemoryBackend):
     def contains_many(self, keys):
         self.calls["contains_many"] += 1
         return super().contains_many(keys)
+
+
+def wait_until_healthy(server, what: str, timeout: float, log_tail: int | None = None) -> None:
+    """Poll ``server.url`` + ``/health`` until it answers 200. If ``server.proc`` exits or
+    ``timeout`` seconds pass, kill the server and raise with its log (the last ``log_tail``
+    characters). ``server`` has ``url``, ``proc``, ``kill()`` and ``log()``."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(server.url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        if server.proc.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            log = server.log()
+            raise RuntimeError(f"{what} did not start:\n{log[-log_tail:] if log_tail else log}")
+        time.sleep(0.2)

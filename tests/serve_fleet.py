@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fleet_engines import ENGINES, REQUEST_TIMEOUT, Engine, chat, text_of
+from helpers import wait_until_healthy
 
 __all__ = ["ENGINES", "Answer", "Engine", "Load", "Worker", "free_port", "start_workers"]
 
@@ -105,19 +106,8 @@ class Worker:
                 log.flush()
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        self.up.set()
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"mlxcache serve did not start:\n{self.log()[-4000:]}")
-            time.sleep(0.2)
+        wait_until_healthy(self, "mlxcache serve", START_TIMEOUT, log_tail=4000)
+        self.up.set()
 
     def kill(self) -> None:
         """SIGKILL: nothing flushes, nothing shuts down cleanly."""

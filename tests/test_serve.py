@@ -12,12 +12,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 import mlx.core as mx
 import pytest
+from helpers import wait_until_healthy
 from redis_server import RedisServer, free_port
 
 from mlxcache.tiny_models import build_tiny_lm
@@ -43,18 +43,7 @@ class Server:
         args += ["--cache", cache] if cache is not None else []  # else $MLXCACHE_URL
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"mlxcache serve did not start:\n{self.log()}")
-            time.sleep(0.2)
+        wait_until_healthy(self, "mlxcache serve", 120)
 
     def chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int]:
         """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion."""

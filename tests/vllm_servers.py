@@ -8,11 +8,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from helpers import wait_until_healthy
 from redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,18 +36,7 @@ class Server:
         args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"vllm-mlx server did not start:\n{self.log()}")
-            time.sleep(0.25)
+        wait_until_healthy(self, "vllm-mlx server", 180)
 
     def post(self, path: str, body: dict) -> dict:
         req = urllib.request.Request(

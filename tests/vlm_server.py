@@ -12,10 +12,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
+from helpers import wait_until_healthy
 from PIL import Image, ImageDraw
 from redis_server import free_port
 
@@ -64,18 +64,7 @@ class VlmServer:
         ]
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"the server did not start:\n{self.log()}")
-            time.sleep(0.3)
+        wait_until_healthy(self, "the server", 180)
 
     def chat(self, images=("A",), text: str = QUESTION, max_tokens: int = 8):
         """(text, prompt_tokens, cached_tokens) of one greedy chat completion."""
