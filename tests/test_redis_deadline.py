@@ -1,11 +1,11 @@
 """One deadline per call against a hung Redis (SIGSTOPped: it accepts connections, never answers).
 
-Every operation of every Redis scheme, and PrefixCache lookup and store, returns (a miss,
-False, nothing) within 1.5x the backend's ``timeout`` whatever it does inside (pipelines,
-reconnects and their handshakes, script reloads, a cluster's slot-map refresh, the fleet
-counters); the next call while it stays hung is skipped at once (the backoff); once the
-server resumes, the record stored before reads back whole. Only servers these tests start
-are stopped.
+Every operation of every Redis scheme (TLS included), and PrefixCache lookup and store,
+returns (a miss, False, nothing) within 1.5x the backend's ``timeout`` whatever it does inside
+(pipelines, reconnects and their TCP and TLS handshakes, script reloads, a cluster's slot-map
+refresh, the fleet counters); the next call while it stays hung is skipped at once (the
+backoff); once the server resumes, the record stored before reads back whole. Only servers
+these tests start are stopped.
 """
 
 from __future__ import annotations
@@ -130,6 +130,19 @@ def own_server():
 def test_a_hung_server_costs_one_timeout_per_call(own_server):
     with mlxcache.open_backend(f"{own_server.url}?timeout={TIMEOUT}") as b:
         check_hung_calls(b, [own_server.proc])
+
+
+def test_a_hung_tls_server(monkeypatch):
+    """rediss://: the TLS handshake of a reconnect and every read wait inside the deadline."""
+    from tls_redis import TLSRedis
+
+    monkeypatch.setenv("MLXCACHE_SECRET", "tls-deadline-secret-0123456789")  # signed, too
+    server = TLSRedis()
+    try:
+        with mlxcache.open_backend(server.uri(timeout=TIMEOUT)) as b:
+            check_hung_calls(b, [server.proc])
+    finally:
+        server.close()
 
 
 def test_tiered_over_a_hung_server(own_server):

@@ -126,8 +126,15 @@ class TLSRedis:
             socket_timeout=2,
         )
 
-    def uri(self, *, password: str = PASSWORD, ca: str = "ca.crt", client: bool = True) -> str:
-        query = f"ssl_ca_certs={self.path(ca)}&timeout=2"
+    def uri(
+        self,
+        *,
+        password: str = PASSWORD,
+        ca: str = "ca.crt",
+        client: bool = True,
+        timeout: float = 2,
+    ) -> str:
+        query = f"ssl_ca_certs={self.path(ca)}&timeout={timeout}"
         if client:
             query += (
                 f"&ssl_certfile={self.path('client.crt')}&ssl_keyfile={self.path('client.key')}"
