@@ -12,8 +12,14 @@ counted twice and counters only grow (``clear()`` deletes entries, never counts)
                                                               store (file://, redis://)
     mlxcache_prefix_{lookups,hits,misses,tokens_requested,hit_tokens,stored_tokens,
                      vision_hits,rejected}_total              per PrefixCache (label model)
+    mlxcache_prefix_{lookup,store}_seconds                    histograms, per PrefixCache
+    mlxcache_serve_{lookup,store}_errors_total                an engine server's failed cache
+                                                              lookups (served uncached) and
+                                                              stores (not shared), label engine
 
-Labels: ``backend`` (the scheme), ``where`` (folder or URL, no password) and ``model``.
+Labels: ``backend`` (the scheme), ``where`` (folder or URL, no password), ``model`` and
+``engine``. An engine server's object (``serve_errors()`` and an ``engine`` name; see
+``mlxcache serve``) counts what fails around its PrefixCache calls, so it is registered as well.
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ class CacheCollector(Collector):
         self._objects: list[Any] = []
 
     def add(self, obj: Any) -> None:
-        """A backend (anything with ``stats()``) or a PrefixCache (its backend comes along)."""
-        if not callable(getattr(obj, "stats", None)):
+        """A backend (anything with ``stats()``), a PrefixCache (its backend comes along) or an
+        engine server's object (``serve_errors()``)."""
+        if not callable(getattr(obj, "stats", None)) and not _is_serving(obj):
             raise TypeError(f"cannot collect metrics of a {type(obj).__name__}: it has no stats()")
         with self._lock:
             if all(o is not obj for o in self._objects):
@@ -85,6 +92,8 @@ class CacheCollector(Collector):
     def _backends(self) -> list[Any]:
         found: list[Any] = []
         for obj in self._objects:
+            if _is_serving(obj):
+                continue
             backend = obj.backend if _is_prefix_cache(obj) else obj
             if all(b is not backend for b in found):
                 found.append(backend)
@@ -141,12 +150,42 @@ class CacheCollector(Collector):
             n: CounterMetricFamily(f"mlxcache_prefix_{n}", f"PrefixCache {s}", labels=["model"])
             for n, s in _PREFIX_COUNTERS.items()
         }
+        prefix_hists = {
+            op: HistogramMetricFamily(
+                f"mlxcache_prefix_{op}_seconds", f"duration of PrefixCache.{op} calls",
+                labels=["model"],
+            )
+            for op in ("lookup", "store")
+        }  # fmt: skip
+        serve = {
+            op: CounterMetricFamily(f"mlxcache_serve_{op}_errors", help, labels=["engine"])
+            for op, help in (
+                ("lookup", "cache lookups an engine server failed (the request ran uncached)"),
+                ("store", "cache stores an engine server failed (kept in its process only)"),
+            )
+        }
         for obj in objects:
-            if _is_prefix_cache(obj):
+            if _is_serving(obj):
+                errors = obj.serve_errors()
+                for op, family in serve.items():
+                    family.add_metric([str(obj.engine)], float(errors.get(op, 0)))
+            elif _is_prefix_cache(obj):
                 stats = obj.stats()
                 for name, source in _PREFIX_COUNTERS.items():
                     prefix[name].add_metric([obj.model], float(stats.get(source, 0)))
+                latency = getattr(obj, "latency", None)
+                for op, (counts, total) in (latency.snapshot() if latency else {}).items():
+                    if op in prefix_hists:
+                        prefix_hists[op].add_metric([obj.model], _cumulative(counts), total)
         yield from prefix.values()
+        yield from prefix_hists.values()
+        yield from serve.values()
+
+
+def _is_serving(obj: Any) -> bool:
+    return isinstance(getattr(obj, "engine", None), str) and callable(
+        getattr(obj, "serve_errors", None)
+    )
 
 
 def _is_prefix_cache(obj: Any) -> bool:

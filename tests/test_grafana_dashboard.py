@@ -61,7 +61,8 @@ def test_the_dashboard_is_a_grafana_dashboard_with_a_prometheus_datasource():
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
     titles = " ".join(p["title"].lower() for p in dashboard["panels"])
     for topic in ("hit ratio", "tokens reused", "budget", "evictions", "errors", "rejected",
-                  "lookup", "store"):  # fmt: skip
+                  "lookup", "store", "prefix lookup latency", "prefix store latency",
+                  "engine server"):  # fmt: skip
         assert topic in titles, topic
 
 
@@ -81,7 +82,7 @@ def test_every_queried_metric_is_exported_by_a_real_serve(tmp_path):
         finally:
             worker.kill()
     names = {n for q in queries() for n in NAME.findall(q)}
-    assert len(names) >= 15
+    assert len(names) >= 19
     check(exported, names)
     for q in queries():  # and every label it groups or filters by is on those samples
         carried = set.union(*(exported[n] for n in NAME.findall(q)))
@@ -98,7 +99,12 @@ def test_every_backend_metric_is_rendered_for_each_backend(uri, tmp_path):
         backend.put("k", Record(arrays={"a": mx.zeros((4,))}))
         backend.get("k")
         exported = samples(render(backend).decode())
-    backend_names = {n for q in queries() for n in NAME.findall(q) if "_prefix_" not in n}
+    backend_names = {
+        n
+        for q in queries()
+        for n in NAME.findall(q)
+        if not n.startswith(("mlxcache_prefix_", "mlxcache_serve_"))
+    }
     if uri.startswith("memory"):  # one process' memory: no store-wide fleet counters
         backend_names = {n for n in backend_names if "_fleet_" not in n}
     check(exported, backend_names)

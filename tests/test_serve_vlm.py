@@ -46,6 +46,10 @@ def test_repeat_second_server_and_restart(tiny_vlm, tmp_path):
         families = {f.name: f for f in text_string_to_metric_families(first.get("/metrics"))}
         hits = families["mlxcache_prefix_hits"].samples
         assert sum(s.value for s in hits if s.name.endswith("_total")) >= 2
+        timed = families["mlxcache_prefix_lookup_seconds"].samples
+        assert sum(s.value for s in timed if s.name.endswith("_count")) >= 3
+        (failed,) = families["mlxcache_serve_lookup_errors"].samples  # none failed
+        assert (failed.labels, failed.value) == ({"engine": "mlx-vlm"}, 0)
         # (c) SIGKILL right after answering, restart on the same folder: the first request hits
         first.kill()
         first = VlmServer(tiny_vlm, cache, tmp_path / "restart.log", *BLOCK)

@@ -15,6 +15,7 @@ import sys
 import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
 from vllm_servers import Server, require_vllm_python, server_args
 
@@ -117,7 +118,14 @@ def test_metrics_and_models_answer(servers, tmp_path):
     s.chat()
     with urllib.request.urlopen(s.url + "/metrics", timeout=30) as r:
         body = r.read().decode()
-    assert "mlxcache_prefix_tokens_written_total" in body or "mlxcache_backend" in body
+    families = {f.name: f for f in text_string_to_metric_families(body)}
+    written = families["mlxcache_prefix_stored_tokens"].samples
+    assert sum(x.value for x in written if x.name.endswith("_total")) > 0
+    timed = families["mlxcache_prefix_store_seconds"].samples
+    assert sum(x.value for x in timed if x.name.endswith("_count")) >= 1
+    for op in ("lookup", "store"):  # nothing failed: the folder is there
+        (failed,) = families[f"mlxcache_serve_{op}_errors"].samples
+        assert (failed.labels, failed.value) == ({"engine": "vllm-mlx"}, 0)
     assert s.get("/v1/models")["data"]
 
 

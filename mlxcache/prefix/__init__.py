@@ -2,7 +2,8 @@
 
 The parts: ``plan`` (a request's chained block hashes), ``probe`` and ``walk`` (the two lookup
 paths), ``records`` (per-block KV records), ``restore`` (verify and rebuild a hit), ``hot`` (the
-in-process hot tier) and ``cache`` (``PrefixCache``, which orchestrates them). It may import
+in-process hot tier), ``heal`` (writing back what the backend lost), ``counts`` (counters and
+call durations) and ``cache`` (``PrefixCache``, which orchestrates them). It may import
 serializers, records and backends, never an engine integration or the CLI.
 """
 

@@ -23,6 +23,7 @@ from mlxcache.prefix import heal
 from mlxcache.prefix import probe as prefix_probe
 from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
+from mlxcache.prefix.counts import PrefixCounts, timed
 from mlxcache.prefix.hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
 from mlxcache.prefix.plan import Match, Plan, as_tokens
 from mlxcache.prefix.restore import fetch as fetch_records
@@ -99,10 +100,8 @@ class PrefixCache:
         hot = HotPrefixes(hot_bytes, block_size, self._key)  # validates hot_bytes
         self._hot = hot if hot_bytes else None
         self.hot_probe = bool(hot_probe)
-        self._counts = dict.fromkeys(
-            ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
-             "stores", "tokens_written", "records_written", "rejected", "records_pinned",
-             "pins_refused", "records_healed"), 0)  # fmt: skip
+        self._counts = PrefixCounts()
+        self.latency = self._counts.latency  # lookup/store durations, for metrics
 
     # ------------------------------------------------------------ keys
 
@@ -149,12 +148,11 @@ class PrefixCache:
         return self._key("v", hashing.vision_digest(self._seed, plan.digests))
 
     def _count(self, **kw: int) -> None:
-        with self._lock:
-            for k, v in kw.items():
-                self._counts[k] += v
+        self._counts.add(**kw)
 
     # ------------------------------------------------------------ store
 
+    @timed("store")
     def store(
         self,
         token_ids: Any,
@@ -289,6 +287,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------ lookup
 
+    @timed("lookup")
     def lookup(
         self,
         token_ids: Any,
@@ -460,8 +459,7 @@ class PrefixCache:
 
     def stats(self) -> dict[str, Any]:
         """Counters of this object (hits, misses, tokens reused...) and the backend's stats."""
-        with self._lock:
-            out: dict[str, Any] = dict(self._counts)
+        out: dict[str, Any] = self._counts.snapshot()
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         out["backend"] = self.backend.stats()
         out["hot"] = self._hot.stats() if self._hot is not None else None

@@ -302,6 +302,17 @@ class SharedPromptCache(LRUPromptCache):
 
     # ---------------------------------------------------------------- the rest
 
+    engine = "mlx-lm"  # the engine label of ``serve_errors()`` in mlxcache.metrics
+
+    def serve_errors(self) -> dict[str, int]:
+        """Failed shared-tier lookups and stores (each a miss or a prompt kept in memory only)."""
+        with self._lock:
+            return {"lookup": self._counts["lookup_errors"], "store": self._counts["store_errors"]}
+
+    def prefix_caches(self) -> list[PrefixCache]:
+        """The ``PrefixCache`` of every model key used so far (for metrics)."""
+        return list(self._prefix.values())
+
     def stats(self) -> dict[str, Any]:
         """Hot-tier size, hit and store counters, and the backend's stats."""
         with self._lock:

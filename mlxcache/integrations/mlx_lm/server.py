@@ -149,7 +149,7 @@ def _metrics_handler(base: type, prompt_cache: Any) -> type:
             except ImportError as exc:
                 body, status, kind = f"{exc}\n".encode(), 501, "text/plain"
             else:
-                objects = [*prompt_cache._prefix.values()] or [prompt_cache.backend]
+                objects = [prompt_cache, *prompt_cache.prefix_caches(), prompt_cache.backend]
                 body, status, kind = (
                     render(*[o for o in objects if o is not None]),
                     200,

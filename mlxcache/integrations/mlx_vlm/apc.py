@@ -32,6 +32,7 @@ from typing import Any
 from mlx_vlm import apc as _apc
 
 from mlxcache import hashing
+from mlxcache.integrations.serve_errors import ServeErrors
 from mlxcache.prefix import PrefixCache
 
 log = logging.getLogger("mlxcache")
@@ -72,7 +73,8 @@ def request_images(digests: ImageDigests, extra_hash: int) -> list[bytes]:
 class SharedAPCManager(_apc.APCManager):
     """mlx-vlm's ``APCManager`` with its block pool off and its disk tier a ``PrefixCache``.
 
-    A failing backend is a miss (or an unstored prompt) and a log line, never a failed request.
+    A failing backend is a miss (or an unstored prompt) and a log line, never a failed request;
+    ``errors`` counts them for ``/metrics``.
     """
 
     def __init__(
@@ -81,10 +83,12 @@ class SharedAPCManager(_apc.APCManager):
         digests: ImageDigests,
         *,
         overrides: dict | None = None,
+        errors: ServeErrors | None = None,
     ) -> None:
         super().__init__(num_blocks=1, disk=None, overrides=overrides)
         self.prefix = prefix
         self.digests = digests
+        self.errors = errors if errors is not None else ServeErrors("mlx-vlm")
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_hash: int = 0):
         """The block pool is off: the prefix cache (and its hot tier) answers instead."""
@@ -111,6 +115,7 @@ class SharedAPCManager(_apc.APCManager):
             )
         except Exception as exc:  # a dead backend: an uncached request, answered
             log.warning("mlxcache APC: lookup failed, serving uncached: %s", exc)
+            self.errors.add("lookup")
             hit = None
         if hit is None or hit.prompt_cache is None or hit.num_tokens <= min_prefix_tokens:
             with self.lock:
@@ -154,6 +159,7 @@ class SharedAPCManager(_apc.APCManager):
             )
         except Exception as exc:  # a store failure never fails the request
             log.warning("mlxcache APC: store failed: %s", exc)
+            self.errors.add("store")
             return []
         with self.lock:
             self.stats.stores += 1
@@ -177,6 +183,7 @@ class Installed:
     def __init__(self) -> None:
         self.managers: list[SharedAPCManager] = []
         self.digests = ImageDigests()
+        self.errors = ServeErrors("mlx-vlm")  # every manager's failures, for /metrics
         self._undo: list[tuple[Any, str, Any]] = []
 
     def replace(self, obj: Any, name: str, value: Any) -> None:
@@ -218,7 +225,9 @@ def install(
             on_load(model_path)
         if overrides is not None and "enabled" in overrides and not overrides["enabled"]:
             return None
-        manager = SharedAPCManager(make_prefix(model_path), done.digests, overrides=overrides)
+        manager = SharedAPCManager(
+            make_prefix(model_path), done.digests, overrides=overrides, errors=done.errors
+        )
         done.managers.append(manager)
         log.info("mlxcache APC for %s: %r", model_path, manager.prefix)
         return manager

@@ -98,7 +98,7 @@ def _metrics_route(app: Any, installed: Any, backend: CacheBackend) -> None:
             from mlxcache.metrics import CONTENT_TYPE, render  # the metrics extra
         except ImportError as exc:
             return Response(f"{exc}\n", status_code=501, media_type="text/plain")
-        objects = installed.prefix_caches() or [backend]
+        objects = [installed.errors, *installed.prefix_caches(), backend]
         return Response(render(*objects), media_type=CONTENT_TYPE)
 
     app.add_api_route("/metrics", metrics, methods=["GET"], include_in_schema=False)

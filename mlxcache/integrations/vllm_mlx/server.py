@@ -19,7 +19,7 @@ from typing import Any
 
 from mlxcache.integrations.server_options import cache_options
 from mlxcache.integrations.vllm_mlx import seam
-from mlxcache.integrations.vllm_mlx.shared_tier import LIVE
+from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, LIVE
 from mlxcache.uri import open_backend
 
 log = logging.getLogger("mlxcache")
@@ -53,9 +53,9 @@ def _metrics_route(app: Any) -> None:
         except ImportError as exc:
             return Response(f"{exc}\n", status_code=501, media_type="text/plain")
         config = seam.current_config()
-        objects: list[Any] = [tier.prefix for tier in list(LIVE)]
-        if not objects and config is not None:
-            objects = [config.backend]
+        objects: list[Any] = [ERRORS, *(tier.prefix for tier in list(LIVE))]
+        if config is not None:
+            objects.append(config.backend)
         return Response(render(*objects), media_type=CONTENT_TYPE)
 
     app.router.routes.insert(0, Route("/metrics", metrics, methods=["GET"]))

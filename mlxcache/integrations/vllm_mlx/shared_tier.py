@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcache.backends.base import CacheBackend
+from mlxcache.integrations.serve_errors import ServeErrors
 from mlxcache.prefix import PrefixCache
 from mlxcache.prefix.model_id import model_identity
 
@@ -43,6 +44,7 @@ log = logging.getLogger("mlxcache")
 TIER_FORMAT = "vllm-mlx-tier/v1"  # bump when what a stored entry means changes
 RECENT_PROMPTS = 64  # prompts remembered (as fingerprints) to store their length minus one
 LIVE: weakref.WeakSet = weakref.WeakSet()  # the tiers of live caches (for /metrics)
+ERRORS = ServeErrors("vllm-mlx")  # every tier's failed lookups and stores (for /metrics)
 
 
 @dataclass
@@ -146,6 +148,7 @@ class SharedTier:
         except Exception as e:  # a failing store is a miss, never an error in the server
             log.warning("vllm-mlx shared tier: lookup failed, running uncached: %s", e)
             self._count(lookup_errors=1)
+            ERRORS.add("lookup")
             return None
         if hit is None or hit.prompt_cache is None or hit.num_tokens <= have:
             return None
@@ -173,6 +176,7 @@ class SharedTier:
         except Exception as e:  # never into the server: the in-process LRU still has it
             log.warning("vllm-mlx shared tier: store failed, kept in memory only: %s", e)
             self._count(store_errors=1)
+            ERRORS.add("store")
 
     def _prompt_of(self, tokens: list[int]) -> int | None:
         """The length of the longest recently looked-up prompt that ``tokens`` extends."""

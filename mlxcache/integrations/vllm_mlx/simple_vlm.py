@@ -26,7 +26,7 @@ import threading
 from typing import Any
 
 from mlxcache.integrations.vllm_mlx.mllm_cache import MLLMPrefixCacheManager
-from mlxcache.integrations.vllm_mlx.shared_tier import TIER_FORMAT, TierConfig, identity
+from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, TIER_FORMAT, TierConfig, identity
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
 from mlxcache.prefix import PrefixCache
 
@@ -109,6 +109,7 @@ def _generate(original: Any, prefixes: _Prefixes) -> Any:
         except Exception as e:  # mlxcache cannot run it: mlx-vlm does, uncached
             log.warning("vllm-mlx simple VLM: cached generation failed, running uncached: %s", e)
             prefixes.count(errors=1)
+            ERRORS.add("lookup")
             return original(model, processor, prompt, image, *args, **kwargs)
         cached = int(getattr(out, "cached_tokens", 0) or 0)
         prefixes.count(requests=1, hits=int(cached > 0), tokens_reused=cached)
