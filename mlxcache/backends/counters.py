@@ -14,17 +14,24 @@ BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 
 
 class Counters:
-    """Thread-safe hit/miss/eviction/error counters for ``stats()``."""
+    """Thread-safe counters that only grow, for ``stats()`` and metrics (by default a backend's
+    hits, misses, evictions, errors...; a PrefixCache or an engine server names its own)."""
 
     NAMES = ("hits", "misses", "evictions", "errors", "rejected", "bytes_read", "bytes_written")
 
-    def __init__(self) -> None:
+    def __init__(self, names: tuple[str, ...] = NAMES) -> None:
         self._lock = threading.Lock()
-        self.values = dict.fromkeys(self.NAMES, 0)
+        self.values = dict.fromkeys(names, 0)
 
     def add(self, name: str, n: int = 1) -> None:
         with self._lock:
             self.values[name] = self.values.get(name, 0) + n
+
+    def add_all(self, **counts: int) -> None:
+        """Add several counts at once (a snapshot never sees half of them)."""
+        with self._lock:
+            for name, n in counts.items():
+                self.values[name] = self.values.get(name, 0) + n
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:

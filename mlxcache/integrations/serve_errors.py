@@ -7,7 +7,7 @@ a failed request; ``mlxcache.metrics`` exports the counts as
 
 from __future__ import annotations
 
-import threading
+from mlxcache.backends.counters import Counters
 
 OPS = ("lookup", "store")
 
@@ -17,16 +17,13 @@ class ServeErrors:
 
     def __init__(self, engine: str) -> None:
         self.engine = engine
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(OPS, 0)
+        self._counts = Counters(OPS)
 
     def add(self, op: str) -> None:
-        if op not in self._counts:
+        if op not in OPS:
             raise ValueError(f"op must be one of {OPS}, got {op!r}")
-        with self._lock:
-            self._counts[op] += 1
+        self._counts.add(op)
 
     def serve_errors(self) -> dict[str, int]:
         """op (``lookup``, ``store``) -> failures so far."""
-        with self._lock:
-            return dict(self._counts)
+        return self._counts.snapshot()

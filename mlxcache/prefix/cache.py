@@ -18,12 +18,12 @@ import numpy as np
 from mlxcache import hashing
 from mlxcache.backends.base import CacheBackend, log, put_all
 from mlxcache.backends.chains import add_sibling, walk_chain, walks_chains
+from mlxcache.backends.counters import Counters, Latency
 from mlxcache.backends.writer import BackgroundWriter
-from mlxcache.prefix import heal
+from mlxcache.prefix import counts, heal
 from mlxcache.prefix import probe as prefix_probe
 from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
-from mlxcache.prefix.counts import PrefixCounts, timed
 from mlxcache.prefix.hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
 from mlxcache.prefix.plan import Match, Plan, as_tokens
 from mlxcache.prefix.restore import fetch as fetch_records
@@ -100,8 +100,8 @@ class PrefixCache:
         hot = HotPrefixes(hot_bytes, block_size, self._key)  # validates hot_bytes
         self._hot = hot if hot_bytes else None
         self.hot_probe = bool(hot_probe)
-        self._counts = PrefixCounts()
-        self.latency = self._counts.latency  # lookup/store durations, for metrics
+        self._counts = Counters(counts.NAMES)
+        self.latency = Latency()  # lookup/store durations, for metrics
 
     # ------------------------------------------------------------ keys
 
@@ -148,11 +148,11 @@ class PrefixCache:
         return self._key("v", hashing.vision_digest(self._seed, plan.digests))
 
     def _count(self, **kw: int) -> None:
-        self._counts.add(**kw)
+        self._counts.add_all(**kw)
 
     # ------------------------------------------------------------ store
 
-    @timed("store")
+    @counts.timed("store")
     def store(
         self,
         token_ids: Any,
@@ -287,7 +287,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------ lookup
 
-    @timed("lookup")
+    @counts.timed("lookup")
     def lookup(
         self,
         token_ids: Any,

@@ -1,41 +1,20 @@
-"""What a PrefixCache counts for ``stats()`` and metrics: events, and how long its calls take.
-
-``timed(op)`` wraps a public method so every call of it (a failed one too) lands in the
-object's ``latency`` histogram, read by ``mlxcache.metrics`` as ``mlxcache_prefix_{op}_seconds``.
+"""What a PrefixCache counts for ``stats()`` (``NAMES``, in a ``Counters``) and how long its
+calls take: ``timed(op)`` wraps a public method so every call of it (a failed one too) lands in
+the object's ``latency`` histogram, read by ``mlxcache.metrics`` as
+``mlxcache_prefix_{op}_seconds``.
 """
 
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
-
-from mlxcache.backends.counters import Latency
 
 NAMES = ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
          "stores", "tokens_written", "records_written", "rejected", "records_pinned",
          "pins_refused", "records_healed")  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class PrefixCounts:
-    """Thread-safe event counters (only ever growing) and a latency histogram per operation."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(NAMES, 0)
-        self.latency = Latency()
-
-    def add(self, **counts: int) -> None:
-        with self._lock:
-            for name, n in counts.items():
-                self._values[name] += n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
 
 
 def timed(op: str) -> Callable[[F], F]:
