@@ -136,10 +136,7 @@ class CacheCollector(Collector):
             for name, family in fleet.items():
                 if isinstance(stats.get("fleet"), dict):
                     family.add_metric(values, float(stats["fleet"].get(name, 0)))
-            latency = getattr(backend, "latency", None)
-            for op, (counts, total) in (latency.snapshot() if latency else {}).items():
-                if op in hists:
-                    hists[op].add_metric(values, _cumulative(counts), total)
+            _observe(hists, backend, values)
         yield from counters.values()
         yield from fleet.values()
         yield entries
@@ -173,13 +170,18 @@ class CacheCollector(Collector):
                 stats = obj.stats()
                 for name, source in _PREFIX_COUNTERS.items():
                     prefix[name].add_metric([obj.model], float(stats.get(source, 0)))
-                latency = getattr(obj, "latency", None)
-                for op, (counts, total) in (latency.snapshot() if latency else {}).items():
-                    if op in prefix_hists:
-                        prefix_hists[op].add_metric([obj.model], _cumulative(counts), total)
+                _observe(prefix_hists, obj, [obj.model])
         yield from prefix.values()
         yield from prefix_hists.values()
         yield from serve.values()
+
+
+def _observe(families: dict[str, HistogramMetricFamily], obj: Any, labels: list[str]) -> None:
+    """Add ``obj.latency``'s histogram of each operation that has a family (get, lookup...)."""
+    latency = getattr(obj, "latency", None)
+    for op, (counts, total) in (latency.snapshot() if latency else {}).items():
+        if op in families:
+            families[op].add_metric(labels, _cumulative(counts), total)
 
 
 def _is_serving(obj: Any) -> bool:
