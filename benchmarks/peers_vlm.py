@@ -89,14 +89,14 @@ def ours_request(model: Any, cache: Any, inputs: Any) -> dict[str, Any]:
     """One ``generate_tokens`` request on a ``PrefixCache`` (None: uncached)."""
     import mlx.core as mx
 
-    from mlxcache.integrations.mlx_vlm import generate_tokens
+    from mlxcache.integrations.mlx_vlm import stream_generate_tokens
 
     ids, pixels, kw = inputs
     t0 = time.perf_counter()
-    r = generate_tokens(model, ids, pixels, cache=cache, max_tokens=1, **kw)
+    steps = list(stream_generate_tokens(model, ids, pixels, cache=cache, max_tokens=1, **kw))
     total = time.perf_counter() - t0
-    x = r.first_logits.astype(mx.float32).reshape(-1)
-    logits = x - mx.logsumexp(x)
+    r = steps[-1].result
+    logits = steps[0].logprobs.astype(mx.float32).reshape(-1)
     return {
         "ttft": r.time_to_first_token,
         "cached": r.cached_tokens,

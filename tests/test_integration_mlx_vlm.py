@@ -67,6 +67,14 @@ def _reference(model, ids, pixel_values, kwargs):
     return tokens, _bytes_hex(first)
 
 
+def _run(model, ids, pixel_values=None, **kwargs):
+    """mlxcache's generation: (the GenerationResult, the first step's logprobs digest)."""
+    from mlxcache.integrations.mlx_vlm import stream_generate_tokens
+
+    steps = list(stream_generate_tokens(model, ids, pixel_values, **kwargs))
+    return steps[-1].result, _bytes_hex(steps[0].logprobs)
+
+
 def _logprobs(logits):
     import mlx.core as mx
 
@@ -102,9 +110,12 @@ def script_main(family: str, uri: str, phase: str) -> dict:
     tower.__call__ = counting
     warm = generate_tokens(model, ids, pixel_values, cache=cache, max_tokens=MAX_TOKENS, **kwargs)
     warm_vision_calls = calls["n"]
-    uncached = generate_tokens(
-        model, ids, pixel_values, cache=None, max_tokens=MAX_TOKENS, **kwargs
+    from mlxcache.integrations.mlx_vlm import stream_generate_tokens
+
+    uncached_steps = list(
+        stream_generate_tokens(model, ids, pixel_values, max_tokens=MAX_TOKENS, **kwargs)
     )
+    uncached = uncached_steps[-1].result
     ref_tokens, ref_first = _reference(model, ids, pixel_values, kwargs)
 
     # turn 2: turn 1 + its answer + a new question
@@ -118,10 +129,9 @@ def script_main(family: str, uri: str, phase: str) -> dict:
         "warm_cached": warm.cached_tokens,
         "warm_vision_cached": warm.vision_cached,
         "warm_vision_calls": warm_vision_calls,
-        "warm_logits": _bytes_hex(warm.first_logits),
         "warm_logprobs": _bytes_hex(_logprobs(warm.first_logits)),
         "uncached_tokens": uncached.tokens,
-        "uncached_logits": _bytes_hex(uncached.first_logits),
+        "uncached_logprobs": _bytes_hex(uncached_steps[0].logprobs),
         "ref_tokens": ref_tokens,
         "ref_logprobs": ref_first,
         "turn2_tokens": turn2.tokens,
@@ -162,8 +172,9 @@ def test_warm_cache_in_new_process_equals_uncached(family, tmp_path):
     # the same prompt: everything but the last token restored, and the answer is the same
     assert r["warm_cached"] == PROMPT_TOKENS - 1
     assert r["warm_tokens"] == r["uncached_tokens"] == r["ref_tokens"] == cold["tokens"]
-    assert r["warm_logits"] == r["uncached_logits"]  # bit-exact first-step logits
-    assert r["warm_logprobs"] == r["ref_logprobs"]  # and equal to mlx-vlm's own generate_step
+    # bit-exact first-step log-probabilities: warm, uncached (the engine's own path) and
+    # mlx-vlm's generate_step called here
+    assert r["warm_logprobs"] == r["uncached_logprobs"] == r["ref_logprobs"]
     # the image's embeddings came from the cache: the vision encoder never ran
     assert r["warm_vision_cached"] is True
     assert r["warm_vision_calls"] == 0
@@ -175,10 +186,9 @@ def test_warm_cache_in_new_process_equals_uncached(family, tmp_path):
 
 
 def test_unsupported_cache_class_runs_uncached(caplog):
-    import mlx.core as mx
     from mlx_vlm.models.cache import KVCache
 
-    from mlxcache.integrations.mlx_vlm import generate_tokens
+    from mlxcache.integrations.mlx_vlm import stream_generate_tokens
     from mlxcache.prefix import PrefixCache
     from mlxcache.tiny_models import build_model
 
@@ -187,20 +197,24 @@ def test_unsupported_cache_class_runs_uncached(caplog):
 
     model, _ = build_model("qwen2_vl", 0)
     ids, pixel_values, kwargs = _inputs("qwen2_vl", 64)
-    expected = generate_tokens(model, ids, pixel_values, max_tokens=4, **kwargs)
+    expected, expected_first = _reference(model, ids, pixel_values, kwargs)
     lm = model.language_model
     lm.make_cache = lambda: [HomeMadeKVCache() for _ in lm.layers]
     cache = PrefixCache("memory://", model="tiny-qwen2-vl-test", block_size=16)
     with caplog.at_level(logging.INFO, logger="mlxcache"):
         for _ in range(2):
-            r = generate_tokens(model, ids, pixel_values, cache=cache, max_tokens=4, **kwargs)
-            assert not r.cached and r.cached_tokens == 0 and r.stored_tokens == 0
-            assert r.tokens == expected.tokens
-            assert bytes(memoryview(mx.contiguous(r.first_logits))) == bytes(
-                memoryview(mx.contiguous(expected.first_logits))
+            steps = list(
+                stream_generate_tokens(
+                    model, ids, pixel_values, cache=cache, max_tokens=MAX_TOKENS, **kwargs
+                )
             )
-    lines = [rec.getMessage() for rec in caplog.records if "running uncached" in rec.getMessage()]
-    assert len(lines) == 2 and "HomeMadeKVCache" in lines[0]
+            r = steps[-1].result
+            assert not r.cached and r.cached_tokens == 0 and r.stored_tokens == 0
+            # the engine's own path: its tokens and log-probabilities, bit for bit
+            assert r.tokens == expected
+            assert _bytes_hex(steps[0].logprobs) == expected_first
+    lines = [rec.getMessage() for rec in caplog.records if "own path" in rec.getMessage()]
+    assert len(lines) == 1 and "HomeMadeKVCache" in lines[0]  # once per model, not per request
     assert len(cache.backend) == 0
 
 
@@ -230,7 +244,7 @@ def test_another_video_never_reuses_the_prefix():
     import mlx.core as mx
     import numpy as np
 
-    from mlxcache.integrations.mlx_vlm import generate_tokens
+    from mlxcache.integrations.mlx_vlm import stream_generate_tokens
     from mlxcache.prefix import PrefixCache
     from mlxcache.tiny_models import build_model
 
@@ -244,13 +258,18 @@ def test_another_video_never_reuses_the_prefix():
     )
     cache = PrefixCache("memory://", model="tiny-qwen2-vl-test", block_size=16)
     kw = {"max_tokens": 4, "video_grid_thw": grid}
-    generate_tokens(model, ids, cache=cache, pixel_values_videos=v1, **kw)
-    expected = generate_tokens(model, ids, pixel_values_videos=v2, **kw)
-    r = generate_tokens(model, ids, cache=cache, pixel_values_videos=v2, **kw)
+
+    def run(**more):
+        steps = list(stream_generate_tokens(model, ids, **kw, **more))
+        return steps[-1].result, _bytes_hex(steps[0].logprobs)
+
+    run(cache=cache, pixel_values_videos=v1)
+    expected, expected_first = run(pixel_values_videos=v2)
+    r, _ = run(cache=cache, pixel_values_videos=v2)
     assert r.cached_tokens == 0 and r.tokens == expected.tokens
-    again = generate_tokens(model, ids, cache=cache, pixel_values_videos=v2, **kw)
+    again, again_first = run(cache=cache, pixel_values_videos=v2)
     assert again.cached_tokens == 39 and again.tokens == expected.tokens
-    assert bytes(memoryview(again.first_logits)) == bytes(memoryview(expected.first_logits))
+    assert again_first == expected_first
 
 
 class _BrokenBackend:
@@ -277,16 +296,13 @@ class _BrokenBackend:
 @pytest.mark.parametrize("fail", ["lookup", "store", "dead-redis"])
 def test_a_failing_cache_never_breaks_generation(fail, caplog):
     """A backend that raises, or a dead Redis: the same tokens and logits as uncached."""
-    import mlx.core as mx
-
     from mlxcache import open_backend
-    from mlxcache.integrations.mlx_vlm import generate_tokens
     from mlxcache.prefix import PrefixCache
     from mlxcache.tiny_models import build_model
 
     model, _ = build_model("qwen2_vl", 0)
     ids, pixel_values, kwargs = _inputs("qwen2_vl", 40)
-    expected = generate_tokens(model, ids, pixel_values, max_tokens=3, **kwargs)
+    expected, expected_first = _run(model, ids, pixel_values, max_tokens=3, **kwargs)
     if fail == "dead-redis":
         backend = open_backend("redis://127.0.0.1:1/0?timeout=0.2")
     else:
@@ -296,12 +312,10 @@ def test_a_failing_cache_never_breaks_generation(fail, caplog):
     )  # the backend path
     with caplog.at_level(logging.WARNING, logger="mlxcache"):
         for _ in range(2):
-            r = generate_tokens(model, ids, pixel_values, cache=cache, max_tokens=3, **kwargs)
+            r, first = _run(model, ids, pixel_values, cache=cache, max_tokens=3, **kwargs)
             assert r.tokens == expected.tokens and r.cached_tokens == 0
             assert r.stored_tokens == 0  # nothing was kept, so nothing is reported stored
-            assert bytes(memoryview(mx.contiguous(r.first_logits))) == bytes(
-                memoryview(mx.contiguous(expected.first_logits))
-            )
+            assert first == expected_first
     if fail != "dead-redis":
         assert any("backend bug" in rec.getMessage() for rec in caplog.records)
 

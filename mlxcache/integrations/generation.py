@@ -24,7 +24,7 @@ class Prefill:
     prompt_cache: list[Any]
     extras: dict[str, mx.array]  # state stored with the KV cache, e.g. M-RoPE ``rope_deltas``
     num_cached_tokens: int  # prompt tokens restored from the cache (not recomputed)
-    logits: mx.array  # (1, vocab) logits of the last prompt token
+    logits: mx.array | None  # (1, vocab) logits of the last prompt token (None: engine's path)
     num_tokens: int = 0  # prompt length
     num_stored_tokens: int = 0  # new tokens written to the cache
     vision_cached: bool = False  # image features came from the cache: the encoder did not run
@@ -46,7 +46,7 @@ class GenerationResult:
     cached: bool = True
     time_to_first_token: float = 0.0  # seconds from the call, cache lookup and restore included
     total_time: float = 0.0
-    first_logits: mx.array | None = None
+    first_logits: mx.array | None = None  # None when the engine's own path ran
     finish_reason: str | None = None  # "stop" (an EOS token) or "length", once finished
 
     @property
@@ -62,6 +62,7 @@ class GenerationStep:
     token: int
     text: str
     result: GenerationResult  # running totals, final after the last step
+    logprobs: mx.array | None = None  # the (vocab,) log-probabilities the token was sampled from
 
 
 class TextStream(Protocol):
@@ -99,7 +100,8 @@ def sample_tokens(
     eos_token_ids: Iterable[int] = (),
     logprobs_of: Callable[[mx.array], mx.array] = log_softmax,
 ) -> Iterator[tuple[int, mx.array]]:
-    """(token, logprobs) pairs from the prompt's last logits, stopping after an EOS token.
+    """(token, logprobs) pairs from the prompt's last logits, stopping after an EOS token
+    (``logprobs``: the (vocab,) row the token was sampled from).
 
     ``step`` feeds the sampled token to the model and returns the next logits. ``max_tokens``
     None means no limit.
@@ -110,7 +112,7 @@ def sample_tokens(
         logprobs = logprobs_of(logits)
         y = sampler(logprobs)
         token = cast(int, y.item())  # a sampled token id
-        yield token, logprobs
+        yield token, logprobs.reshape(-1)
         i += 1
         if token in eos or (max_tokens is not None and i == max_tokens):
             return
@@ -146,14 +148,15 @@ class Detokenizer:
 
 def stream_result(
     state: Prefill,
-    tokens: Iterable[int],
+    tokens: Iterable[tuple[int, mx.array | None]],
     *,
     t0: float,
     max_tokens: int | None = None,
     text: TextStream | None = None,
     eos_token_ids: Iterable[int] = (),
 ) -> Iterator[GenerationStep]:
-    """GenerationSteps over ``tokens`` decoded from ``state``; the result is final at the end.
+    """GenerationSteps over ``(token, logprobs)`` pairs decoded from ``state``; the result is
+    final at the end.
 
     Times count from ``t0`` (the caller's start, cache lookup and restore included). With
     ``text``, the last step (an EOS token or the ``max_tokens``-th) also carries the text held
@@ -169,7 +172,7 @@ def stream_result(
     )
     eos = set(eos_token_ids)
     finished = False
-    for token in tokens:
+    for token, logprobs in tokens:
         now = time.perf_counter() - t0
         if not result.tokens:
             result.time_to_first_token = now
@@ -182,7 +185,7 @@ def stream_result(
             if text is not None:
                 result.text = text.text
             finished = True
-        yield GenerationStep(token, delta, result)
+        yield GenerationStep(token, delta, result, logprobs)
     if not finished:
         result.finish_reason = "length" if result.tokens else None
         if text is not None:

@@ -41,6 +41,7 @@ __all__ = [
     "Prefill",
     "cached_generate",
     "decode",
+    "decode_steps",
     "encode_prompt",
     "generate_tokens",
     "prefill",
@@ -230,7 +231,17 @@ def prefill(
     )
 
 
-def decode(
+def decode(model: Any, state: Prefill, **kwargs: Any) -> Iterator[int]:
+    """Sample up to ``max_tokens`` tokens (-1: no limit) from a Prefill, stopping after EOS.
+
+    ``kwargs`` are ``decode_steps``'s: pass the ``logits_processors`` and KV quantization
+    options given to ``prefill``.
+    """
+    for token, _ in decode_steps(model, state, **kwargs):
+        yield token
+
+
+def decode_steps(
     model: Any,
     state: Prefill,
     *,
@@ -241,11 +252,8 @@ def decode(
     kv_bits: int | None = None,
     kv_group_size: int = 64,
     quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-) -> Iterator[int]:
-    """Sample up to ``max_tokens`` tokens (-1: no limit) from a Prefill, stopping after EOS.
-
-    Pass the ``logits_processors`` and KV quantization options given to ``prefill``.
-    """
+) -> Iterator[tuple[int, mx.array]]:
+    """``decode`` with each token's log-probabilities: (token, (vocab,) logprobs) pairs."""
     runner = _Model(
         model,
         state.prompt_cache,
@@ -255,15 +263,16 @@ def decode(
         quantized_kv_start=quantized_kv_start,
     )
     runner.seen(mx.array(state.token_ids))
-    for token, _ in sample_tokens(
+    if state.logits is None:
+        raise ValueError("this Prefill holds no logits to decode from (the engine's path ran)")
+    yield from sample_tokens(
         state.logits,
         runner.step,
         max_tokens=None if max_tokens == -1 else max_tokens,
         sampler=sampler or make_sampler(0.0),
         eos_token_ids=eos_token_ids,
         logprobs_of=_lm_logprobs,
-    ):
-        yield token
+    )
 
 
 class _Text:
@@ -336,7 +345,7 @@ def stream_generate_tokens(
         prompt_progress_callback=prompt_progress_callback,
         **kv,
     )
-    tokens = decode(
+    tokens = decode_steps(
         model,
         state,
         max_tokens=max_tokens,

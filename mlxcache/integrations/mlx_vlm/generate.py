@@ -34,14 +34,14 @@ from mlxcache.integrations.generation import (
     stream_result,
     timed_from,
 )
+from mlxcache.integrations.mlx_vlm import engine
+from mlxcache.integrations.mlx_vlm.engine import chunks_prefill
 from mlxcache.integrations.mlx_vlm.models import (
-    MROPE_TYPES,
-    RESUMABLE_KEYS,
     accepts_cached_features,
-    embedding_unsupported_reason,
     encode_images,
-    model_type,
+    prime_positions,
     static_unsupported_reason,
+    tell_once,
 )
 from mlxcache.integrations.resume import log
 
@@ -53,6 +53,7 @@ __all__ = [
     "Sampler",
     "cached_generate",
     "decode",
+    "decode_steps",
     "generate_tokens",
     "image_keys",
     "make_sampler",
@@ -97,6 +98,18 @@ def _equal(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and bool(mx.array_equal(a, b).item())
 
 
+def _embed(
+    model: Any, ids: mx.array, pixel_values: Any, mask: Any, kwargs: dict, features: Any
+) -> tuple[mx.array, dict[str, Any]]:
+    """``get_input_embeddings``: (inputs_embeds, its other non-None outputs by name)."""
+    emb_kwargs = dict(kwargs)
+    if features is not None:
+        emb_kwargs["cached_image_features"] = features
+    emb = model.get_input_embeddings(ids, pixel_values, mask=mask, **emb_kwargs)
+    extra = {k: v for k, v in emb.to_dict().items() if k != "inputs_embeds" and v is not None}
+    return emb.inputs_embeds, extra
+
+
 def prefill(
     model: Any,
     input_ids: Any,
@@ -111,16 +124,17 @@ def prefill(
     """Prefill a prompt, reusing its longest cached prefix and storing what is new.
 
     ``cache`` is a ``PrefixCache`` (or None: plain uncached prefill). ``model_kwargs`` are the
-    processor's extra model inputs (e.g. ``image_grid_thw``). Models or cache classes that
-    cannot be resumed safely run uncached, with one log line.
+    processor's extra model inputs (e.g. ``image_grid_thw``). The model runs with the calls of
+    mlx-vlm's own ``generate_step`` prefill (chunks with every embedding output, the last token
+    alone, or the whole prompt in one pass where mlx-vlm does that); a model or prompt that
+    cannot be resumed safely runs uncached (``models.FAMILIES``), logged once per model.
     """
     from mlx_vlm.models.cache import make_prompt_cache
 
     ids = _as_ids(input_ids)
-    n = ids.shape[1]
+    mask = mx.ones_like(ids) if mask is None else mask  # what mlx-vlm's processors give
     lm = model.language_model
     fresh = make_prompt_cache(lm)
-
     reason = static_unsupported_reason(model, fresh) if cache is not None else None
     keys = image_keys(images, pixel_values, model_kwargs)
     tokens = cast("list[int]", ids[0].tolist())  # one row of token ids
@@ -136,61 +150,64 @@ def prefill(
             features, vision_cached = restored, True
         else:
             features = encode_images(model, pixel_values, model_kwargs)
-    emb_kwargs = dict(model_kwargs)
-    if features is not None:
-        emb_kwargs["cached_image_features"] = features
-    emb = model.get_input_embeddings(
-        ids, pixel_values, mask=mx.ones_like(ids) if mask is None else mask, **emb_kwargs
-    )
-    embeds = emb.inputs_embeds
-    extra = {k: v for k, v in emb.to_dict().items() if k != "inputs_embeds" and v is not None}
-
-    if cache is not None and reason is None:
-        reason = embedding_unsupported_reason(extra)
+    embeds, extra = _embed(model, ids, pixel_values, mask, model_kwargs, features)
+    run_kwargs = {**model_kwargs, **extra}
+    if "position_ids" not in extra:
+        run_kwargs.update(prime_positions(model, ids, mask, model_kwargs))
+    if reason is None and embeds.shape[1] != ids.shape[1]:
+        reason = "get_input_embeddings returned another length than the prompt's ids"
+    one_pass = not chunks_prefill(model, ids, embeds, run_kwargs)
+    if reason is None and one_pass:
+        reason = "mlx-vlm prefills this prompt in one pass (no split may be resumed)"
     use_cache = cache is not None and reason is None
     if cache is not None and reason is not None:
-        log.info("mlxcache: running uncached: %s", reason)
+        tell_once(model, reason)
         hit = None
 
-    rope = extra.get("rope_deltas")
+    rope = run_kwargs.get("rope_deltas")
     extras = {"rope_deltas": rope} if rope is not None else {}
     if hit is not None and rope is not None:
         stored_rope = (hit.extras or {}).get("rope_deltas")
         if stored_rope is not None and not _equal(stored_rope, rope):
             log.warning("mlxcache: cached rope_deltas differ from the prompt's; not reusing")
             hit = None
-    if use_cache:
-        lm_kwargs = {k: extra[k] for k in RESUMABLE_KEYS if k in extra}
-    else:
-        lm_kwargs = dict(extra)  # what mlx-vlm's generate_step passes
 
     prompt_cache = fresh
     if hit is not None:
         assert hit.prompt_cache is not None  # resume.lookup keeps only hits with a cache
         prompt_cache = hit.prompt_cache
     start = hit.num_tokens if hit is not None else 0
+    n = ids.shape[1]
 
     def run(s: int, e: int) -> Any:
-        return lm(ids[:, s:e], inputs_embeds=embeds[:, s:e], cache=prompt_cache, **lm_kwargs)
+        # mlx-vlm's calls: a chunk gets n_to_process, the last token does not; both keep one row
+        chunk = {"n_to_process": e - s} if e < n else {}
+        return lm(
+            ids[:, s:e],
+            inputs_embeds=embeds[:, s:e],
+            cache=prompt_cache,
+            logits_to_keep=1,
+            **chunk,
+            **run_kwargs,
+        )
 
-    out, stored = resume.finish_prompt(
-        run,
-        prompt_cache,
-        tokens,
-        start,
-        cache=cache if use_cache else None,
-        step_size=prefill_step_size,
-        images=keys,
-        extras=extras,
-        vision_embeddings=features,
-    )
+    stored = 0
+    if one_pass:
+        out = run(0, n)
+    else:
+        out, stored = resume.finish_prompt(
+            run,
+            prompt_cache,
+            tokens,
+            start,
+            cache=cache if use_cache else None,
+            step_size=prefill_step_size,
+            images=keys,
+            extras=extras,
+            vision_embeddings=features,
+        )
     logits = out.logits[:, -1, :]
     mx.eval(logits)
-
-    decode_kwargs: dict[str, Any] = {}
-    if rope is not None and model_type(model) in MROPE_TYPES:
-        decode_kwargs["rope_deltas"] = rope
-    decode_kwargs.update(_carried_outputs(out))
     return Prefill(
         prompt_cache=prompt_cache,
         extras=extras,
@@ -200,9 +217,19 @@ def prefill(
         num_stored_tokens=stored,
         vision_cached=vision_cached,
         cached=use_cache,
-        decode_kwargs=decode_kwargs,
+        decode_kwargs=_carried_outputs(out),
         token_ids=tokens,
     )
+
+
+def _refused(model: Any) -> str | None:
+    """Why ``model`` is never resumed (logged once per model), or None."""
+    from mlx_vlm.models.cache import make_prompt_cache
+
+    reason = static_unsupported_reason(model, make_prompt_cache(model.language_model))
+    if reason is not None:
+        tell_once(model, reason)
+    return reason
 
 
 def _carried_outputs(out: Any) -> dict[str, Any]:
@@ -214,32 +241,41 @@ def _carried_outputs(out: Any) -> dict[str, Any]:
     return {}
 
 
-def decode(
+def decode(model: Any, state: Prefill, **kwargs: Any) -> Iterator[int]:
+    """Sample up to ``max_tokens`` tokens from a Prefill, stopping after an EOS token.
+
+    ``kwargs`` are ``decode_steps``'s."""
+    for token, _ in decode_steps(model, state, **kwargs):
+        yield token
+
+
+def decode_steps(
     model: Any,
     state: Prefill,
     *,
     max_tokens: int = 256,
     sampler: Sampler | None = None,
     eos_token_ids: Sequence[int] = (),
-) -> Iterator[int]:
-    """Sample up to ``max_tokens`` tokens from a Prefill, stopping after an EOS token."""
+) -> Iterator[tuple[int, mx.array]]:
+    """``decode`` with each token's log-probabilities: (token, (vocab,) logprobs) pairs."""
     lm = model.language_model
     kwargs = dict(state.decode_kwargs)
 
     def step(y: mx.array) -> mx.array:
         nonlocal kwargs
-        out = lm(y.reshape(1, 1), cache=state.prompt_cache, **kwargs)
-        kwargs = {**state.decode_kwargs, **_carried_outputs(out)}
+        out = lm(y.reshape(1, 1), cache=state.prompt_cache, logits_to_keep=1, **kwargs)
+        kwargs = _carried_outputs(out)
         return out.logits[:, -1, :]
 
-    for token, _ in sample_tokens(
+    if state.logits is None:
+        raise ValueError("this Prefill holds no logits to decode from (the engine's path ran)")
+    yield from sample_tokens(
         state.logits,
         step,
         max_tokens=max_tokens,
         sampler=sampler or make_sampler(0.0),
         eos_token_ids=eos_token_ids,
-    ):
-        yield token
+    )
 
 
 def stream_generate_tokens(
@@ -260,27 +296,47 @@ def stream_generate_tokens(
 ) -> Iterator[GenerationStep]:
     """Yield the tokens of a prompt given as ids (+ ``pixel_values`` and model inputs).
 
+    Without a ``cache``, or for a model mlxcache does not resume, mlx-vlm's own
+    ``generate_step`` runs unchanged (its answer is the engine's; ``first_logits`` is None).
     ``tokenizer`` (anything with ``decode(list[int]) -> str``) is optional and only fills
     ``text``. Times count from the call, cache lookup and restore included.
     """
     t0 = time.perf_counter()
-    state = prefill(
-        model,
-        input_ids,
-        pixel_values,
-        cache=cache,
-        images=images,
-        mask=mask,
-        prefill_step_size=prefill_step_size,
-        **model_kwargs,
-    )
     sampler = sampler or make_sampler(temperature)
-    tokens = decode(
-        model, state, max_tokens=max_tokens, sampler=sampler, eos_token_ids=eos_token_ids
-    )
+    steps: Iterator[tuple[int, mx.array]]
+    if cache is None or _refused(model) is not None:
+        ids = _as_ids(input_ids)
+        mask = mx.ones_like(ids) if mask is None else mask
+        state = Prefill(prompt_cache=[], extras={}, num_cached_tokens=0, logits=None)
+        state.num_tokens, state.cached = ids.shape[1], False
+        steps = engine.generate_steps(
+            model,
+            ids,
+            pixel_values,
+            mask=mask,
+            max_tokens=max_tokens,
+            sampler=sampler,
+            eos_token_ids=eos_token_ids,
+            prefill_step_size=prefill_step_size,
+            **model_kwargs,
+        )
+    else:
+        state = prefill(
+            model,
+            input_ids,
+            pixel_values,
+            cache=cache,
+            images=images,
+            mask=mask,
+            prefill_step_size=prefill_step_size,
+            **model_kwargs,
+        )
+        steps = decode_steps(
+            model, state, max_tokens=max_tokens, sampler=sampler, eos_token_ids=eos_token_ids
+        )
     text = Detokenizer(tokenizer) if tokenizer is not None else None
     yield from stream_result(
-        state, tokens, t0=t0, max_tokens=max_tokens, text=text, eos_token_ids=eos_token_ids
+        state, steps, t0=t0, max_tokens=max_tokens, text=text, eos_token_ids=eos_token_ids
     )
 
 

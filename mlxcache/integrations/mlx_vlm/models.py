@@ -1,56 +1,45 @@
-"""What mlxcache knows about mlx-vlm model families: resume safety and vision encoders.
+"""What mlxcache knows about mlx-vlm model families: the one table of how each is resumed.
 
-Kept apart from the generation loop so the rules a model must meet to be resumed from a cached
-prefix are in one place. A model that breaks a rule runs uncached, never with a wrong prefix.
+A prompt is resumed from a cached prefix only when the rest of it, run on the restored cache
+with the calls mlx-vlm's own chunked prefill makes, gives the engine's answer. Everything a
+family needs for that lives in ``FAMILIES``; a family (or a request) that cannot be resumed
+safely runs mlx-vlm's own ``generate_step`` unchanged (``engine.py``), with one log line per
+model load. docs/models.md is this table in prose, with the tests that hold each row.
 """
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from mlxcache.integrations.resume import unsupported_cache_reason
 
-# Families whose language model keeps M-RoPE state (``_rope_deltas``) and slices full-prompt
-# ``position_ids`` at its cache offset: resumable when both are passed explicitly.
-MROPE_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"})
+log = logging.getLogger("mlxcache")
 
-# Families whose language model reads per-prompt state that a suffix-only prefill would get wrong.
-UNSAFE_TYPES = frozenset({"falcon_ocr"})
-
-# Outputs of ``get_input_embeddings`` a suffix prefill can carry: the full-prompt positions
-# (sliced by the model at its cache offset) and the M-RoPE delta. ``attention_mask_4d`` is
-# ignored by every language model outside UNSAFE_TYPES (it is dropped on resume).
-RESUMABLE_KEYS = frozenset({"position_ids", "rope_deltas"})
-DROPPED_KEYS = frozenset({"attention_mask_4d"})
+Encoder = Callable[[Any, mx.array, dict[str, Any]], "mx.array | None"]
 
 
-def model_type(model: Any) -> str:
-    config = getattr(model, "config", None)
-    return str(getattr(config, "model_type", "") or getattr(model, "model_type", "") or "")
+@dataclass(frozen=True)
+class Family:
+    """How one model family is resumed.
 
+    ``refuse``: why it never is (it runs the engine's own path). ``encoder``: the exact
+    computation its ``get_input_embeddings`` runs on ``pixel_values`` when it is not given
+    ``cached_image_features``, so image features can be cached. ``prime_positions``: its
+    language model keeps position state (``_rope_deltas``/``_position_ids``) that a resumed
+    suffix cannot rebuild, so the full prompt's ``position_ids`` and ``rope_deltas`` are
+    computed with its ``get_rope_index`` and passed explicitly, as mlx-vlm's own prefix cache
+    does.
+    """
 
-def static_unsupported_reason(model: Any, prompt_cache: list[Any]) -> str | None:
-    """Why ``model`` with this fresh cache cannot be resumed from a prefix, or None."""
-    mtype = model_type(model)
-    lm = getattr(model, "language_model", None)
-    if lm is None or not hasattr(model, "get_input_embeddings"):
-        return f"model {mtype or type(model).__name__} has no language_model/get_input_embeddings"
-    if mtype in UNSAFE_TYPES:
-        return f"model type {mtype} reads full-prompt masks a suffix prefill cannot carry"
-    if (hasattr(lm, "_rope_deltas") or hasattr(lm, "_position_ids")) and mtype not in MROPE_TYPES:
-        return f"model type {mtype} keeps position state mlxcache does not know how to resume"
-    return unsupported_cache_reason(prompt_cache)
-
-
-def embedding_unsupported_reason(extra: dict[str, Any]) -> str | None:
-    """Why these ``get_input_embeddings`` outputs cannot be carried into a suffix, or None."""
-    unknown = sorted(set(extra) - RESUMABLE_KEYS - DROPPED_KEYS)
-    if unknown:
-        return f"get_input_embeddings returned {', '.join(unknown)}, which a suffix cannot carry"
-    return None
+    refuse: str | None = None
+    encoder: Encoder | None = None
+    prime_positions: bool = False
 
 
 def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -70,18 +59,74 @@ def _gemma3_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) 
     return model.multi_modal_projector(hidden)
 
 
-# The exact computation each family's get_input_embeddings runs when it is not given
-# ``cached_image_features``, so features computed here are bit-identical to the model's own.
-_ENCODERS: dict[str, Callable[[Any, mx.array, dict[str, Any]], mx.array | None]] = {
-    "qwen2_vl": _qwen_encoder,
-    "qwen2_5_vl": _qwen_encoder,
-    "gemma3": _gemma3_encoder,
+_MROPE = Family(prime_positions=True)
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_vl": Family(encoder=_qwen_encoder, prime_positions=True),
+    "qwen2_5_vl": Family(encoder=_qwen_encoder, prime_positions=True),
+    "qwen3_vl": _MROPE,
+    "qwen3_vl_moe": _MROPE,
+    "gemma3": Family(encoder=_gemma3_encoder),
+    "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),
 }
+
+# ``get_input_embeddings`` outputs that the engine passes to the language model in full on
+# every prefill chunk (the model aligns each with its cache offset, as in a chunked prefill).
+DEFAULT = Family()
+
+
+def model_type(model: Any) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "model_type", "") or getattr(model, "model_type", "") or "")
+
+
+def family(model: Any) -> Family:
+    """The table's row for ``model`` (the default row for a family it does not name)."""
+    return FAMILIES.get(model_type(model), DEFAULT)
+
+
+def static_unsupported_reason(model: Any, prompt_cache: list[Any]) -> str | None:
+    """Why ``model`` with this fresh cache cannot be resumed from a prefix, or None."""
+    mtype = model_type(model) or type(model).__name__
+    lm = getattr(model, "language_model", None)
+    if lm is None or not hasattr(model, "get_input_embeddings"):
+        return f"model {mtype} has no language_model/get_input_embeddings"
+    row = family(model)
+    if row.refuse is not None:
+        return f"model type {mtype} {row.refuse}"
+    keeps_positions = hasattr(lm, "_rope_deltas") or hasattr(lm, "_position_ids")
+    if keeps_positions and not (row.prime_positions or callable(getattr(lm, "get_rope_index", 0))):
+        return f"model type {mtype} keeps position state mlxcache does not know how to resume"
+    return unsupported_cache_reason(prompt_cache)
+
+
+def prime_positions(model: Any, ids: mx.array, mask: Any, kwargs: dict[str, Any]) -> dict:
+    """The full prompt's ``position_ids``/``rope_deltas`` for a model that keeps them, else {}.
+
+    What mlx-vlm's prefix cache does before it resumes a suffix
+    (``generate/dispatch.py: _prime_cached_prefix_rope_state``): the language model's own
+    ``get_rope_index`` over the whole prompt, set on the model and passed explicitly (the model
+    slices them at its cache offset).
+    """
+    lm = model.language_model
+    get_rope_index = getattr(lm, "get_rope_index", None)
+    if not callable(get_rope_index):
+        return {}
+    if not (hasattr(lm, "_rope_deltas") or hasattr(lm, "_position_ids")):
+        return {}
+    position_ids, rope_deltas = get_rope_index(
+        ids, kwargs.get("image_grid_thw"), kwargs.get("video_grid_thw"), mask
+    )
+    if hasattr(lm, "_position_ids"):
+        lm._position_ids = position_ids
+    if hasattr(lm, "_rope_deltas"):
+        lm._rope_deltas = rope_deltas
+    return {"position_ids": position_ids, "rope_deltas": rope_deltas}
 
 
 def encode_images(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
     """The image features the model would compute itself, or None if we cannot run its encoder."""
-    enc = _ENCODERS.get(model_type(model))
+    enc = family(model).encoder
     if enc is None:
         return None
     features = enc(model, pixel_values, kwargs)
@@ -92,4 +137,18 @@ def encode_images(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) ->
 
 def accepts_cached_features(model: Any) -> bool:
     """Whether the model's get_input_embeddings takes ``cached_image_features=``."""
-    return model_type(model) in _ENCODERS
+    return family(model).encoder is not None
+
+
+_told: dict[int, set[str]] = {}  # id(model) -> reasons logged (an mlx Module is unhashable)
+
+
+def tell_once(model: Any, reason: str) -> None:
+    """Log why ``model`` runs the engine's own path: once per model object and reason."""
+    key = id(model)
+    if key not in _told:
+        _told[key] = set()
+        weakref.finalize(model, _told.pop, key, None)
+    if reason not in _told[key]:
+        _told[key].add(reason)
+        log.info("mlxcache: %s runs mlx-vlm's own path, uncached: %s", model_type(model), reason)

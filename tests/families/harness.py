@@ -1,0 +1,168 @@
+"""One family's scenarios against mlx-vlm's own uncached ``generate_step``, bit for bit.
+
+Every mlxcache run (cold, warm, extended, branched, another image, a new process) must give the
+engine's greedy tokens and the bytes of every step's log-probabilities. Where a family's numerics
+depend on where the prompt is split (``Spec.split_sensitive``), the reference is the engine
+resumed at the same split: its chunked prefill stopped at the hit's length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+PROMPT = 96
+BLOCK = 32
+BRANCH = 64  # the branched prompt shares this many tokens
+MAX_TOKENS = 4
+
+
+@dataclass
+class Spec:
+    """A family in the matrix: how to build its tiny model and one prompt with an image.
+
+    ``config``: the ``config.json`` dict. ``image(seed)``: ``(pixel_values, model_kwargs,
+    image_token_ids)`` for one image; the tokens are placed at ``IMAGE_AT``. ``text_ids``: the
+    range text tokens are drawn from. ``expect``: "cached" (any block boundary),
+    "refused" (the engine's own path; ``reason`` in its one log line).
+    """
+
+    name: str
+    config: dict[str, Any]
+    image: Callable[[int], tuple[Any, dict[str, Any], list[int]]] | None = None
+    text_ids: tuple[int, int] = (1, 900)
+    expect: str = "cached"
+    reason: str = ""
+    split_sensitive: bool = False
+    group: str = "vlm"
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+IMAGE_AT = 8
+
+
+def build(spec: Spec, seed: int = 0) -> Any:
+    """The tiny model with reproducible random weights."""
+    import mlx.core as mx
+    from mlx_vlm.utils import get_model_and_args, update_module_configs
+
+    cfg = json.loads(json.dumps(spec.config))  # from_dict fills in the dict it is given
+    arch, _ = get_model_and_args(cfg)
+    model_config = update_module_configs(
+        arch.ModelConfig.from_dict(cfg), arch, cfg, ["text", "vision", "audio"]
+    )
+    mx.random.seed(seed)
+    model = arch.Model(model_config)
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def text(spec: Spec, n: int, seed: int) -> list[int]:
+    lo, hi = spec.text_ids
+    return np.random.default_rng(seed).integers(lo, hi, size=n).tolist()
+
+
+def prompt(spec: Spec, image_seed: int | None = 2, n: int = PROMPT) -> tuple[list, Any, dict]:
+    """(ids, pixel_values, model_kwargs): seeded text with the image's tokens at IMAGE_AT."""
+    ids = text(spec, n, 1)
+    if spec.image is None or image_seed is None:
+        return ids, None, {}
+    pixels, kwargs, image_ids = spec.image(image_seed)
+    ids[IMAGE_AT : IMAGE_AT + len(image_ids)] = image_ids
+    return ids, pixels, kwargs
+
+
+def digest(arrays: list[Any]) -> str:
+    import mlx.core as mx
+
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(bytes(memoryview(mx.contiguous(a.reshape(-1)))))
+    return h.hexdigest()
+
+
+def reference(model: Any, ids: list[int], pixels: Any, kwargs: dict, split: int = 0) -> tuple:
+    """mlx-vlm's uncached greedy generate_step: (tokens, logprobs digest); with ``split``, its
+    chunked prefill stops there first (the engine resumed at that split)."""
+    import mlx.core as mx
+    from mlx_vlm.generate.ar import generate_step
+
+    x = mx.array([ids])
+    more: dict[str, Any] = {}
+    if split:
+        more = {
+            "prompt_cache_checkpoint": lambda n, cache: None,
+            "prompt_cache_checkpoint_lengths": [split],
+        }
+    tokens, logprobs = [], []
+    for tok, lp in generate_step(
+        x, model, pixels, mx.ones_like(x), max_tokens=MAX_TOKENS, temperature=0.0, **kwargs, **more
+    ):
+        tokens.append(int(tok))
+        logprobs.append(lp)
+    return tokens, digest(logprobs)
+
+
+def ours(model: Any, ids: list[int], pixels: Any, kwargs: dict, cache: Any) -> tuple:
+    """mlxcache's generation: (tokens, logprobs digest, the GenerationResult)."""
+    from mlxcache.integrations.mlx_vlm import stream_generate_tokens
+
+    steps = list(
+        stream_generate_tokens(model, ids, pixels, cache=cache, max_tokens=MAX_TOKENS, **kwargs)
+    )
+    return steps[-1].result.tokens, digest([s.logprobs for s in steps]), steps[-1].result
+
+
+def open_cache(model: Any, uri: str) -> Any:
+    from mlxcache.prefix import PrefixCache
+    from mlxcache.prefix.model_id import model_identity
+
+    return PrefixCache(uri, model=model_identity(model), block_size=BLOCK, hot_bytes=0)
+
+
+def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: Any) -> dict:
+    """One request through mlxcache against the engine: what a test asserts on."""
+    tokens, got, result = ours(model, ids, pixels, kwargs, cache)
+    split = result.cached_tokens if spec.split_sensitive else 0
+    ref_tokens, ref = reference(model, ids, pixels, kwargs, split)
+    return {
+        "tokens": tokens,
+        "ref_tokens": ref_tokens,
+        "exact": tokens == ref_tokens and got == ref,
+        "cached": result.cached_tokens,
+        "cached_flag": result.cached,
+        "prompt": len(ids),
+        "vision_cached": result.vision_cached,
+    }
+
+
+def scenarios(spec: Spec, uri: str) -> dict[str, dict]:
+    """cold, warm, extended, branched and (with an image) image B, in this process."""
+    model = build(spec)
+    cache = open_cache(model, uri)
+    ids, pixels, kwargs = prompt(spec)
+    out = {"cold": check(spec, model, ids, pixels, kwargs, cache)}
+    out["warm"] = check(spec, model, ids, pixels, kwargs, cache)
+    question = text(spec, 24, 3)
+    extended = ids + out["warm"]["tokens"] + question
+    out["extended"] = check(spec, model, extended, pixels, kwargs, cache)
+    branched = ids[:BRANCH] + text(spec, PROMPT - BRANCH, 4)
+    out["branched"] = check(spec, model, branched, pixels, kwargs, cache)
+    if spec.image is not None:
+        ids_b, pixels_b, kwargs_b = prompt(spec, image_seed=5)
+        out["image_b"] = check(spec, model, ids_b, pixels_b, kwargs_b, cache)
+    return out
+
+
+def new_process(spec: Spec, uri: str) -> dict:
+    """The warm repeat from a process that never saw the prompt (run in a subprocess)."""
+    model = build(spec)
+    ids, pixels, kwargs = prompt(spec)
+    return check(spec, model, ids, pixels, kwargs, open_cache(model, uri))
