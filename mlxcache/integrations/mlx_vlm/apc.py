@@ -202,11 +202,14 @@ class Installed:
 def install(
     make_prefix: Callable[[str], PrefixCache],
     on_load: Callable[[str], None] | None = None,
+    refusal: Callable[[str], str | None] | None = None,
 ) -> Installed:
     """Replace ``mlx_vlm.apc.from_env`` and wrap ``mlx_vlm.apc.hash_image_payload``.
 
     ``make_prefix(model_path)`` builds the prefix cache of the model being loaded (the path
-    mlx-vlm folds into its namespace); ``on_load(model_path)`` runs at every model load. With
+    mlx-vlm folds into its namespace); ``on_load(model_path)`` runs at every model load.
+    ``refusal(model_path)`` names why a model's family is never resumed (the family table):
+    such a model runs mlx-vlm's own path with no prefix cache, said once per load. With
     ``enabled`` false in mlx-vlm's settings (``APC_ENABLED``, ``PATCH /v1/settings``) there is
     no APC, as in mlx-vlm.
     """
@@ -224,6 +227,12 @@ def install(
         if on_load is not None:
             on_load(model_path)
         if overrides is not None and "enabled" in overrides and not overrides["enabled"]:
+            return None
+        reason = refusal(model_path) if refusal is not None else None
+        if reason is not None:
+            log.info(
+                "mlxcache: %s runs mlx-vlm's own path, no prefix cache: %s", model_path, reason
+            )
             return None
         manager = SharedAPCManager(
             make_prefix(model_path), done.digests, overrides=overrides, errors=done.errors

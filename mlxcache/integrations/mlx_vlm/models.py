@@ -85,15 +85,22 @@ def family(model: Any) -> Family:
     return FAMILIES.get(model_type(model), DEFAULT)
 
 
+def refused_type(mtype: str) -> str | None:
+    """Why the family ``mtype`` (a config's ``model_type``) is never resumed, or None."""
+    row = FAMILIES.get(mtype)
+    return None if row is None or row.refuse is None else f"model type {mtype} {row.refuse}"
+
+
 def static_unsupported_reason(model: Any, prompt_cache: list[Any]) -> str | None:
     """Why ``model`` with this fresh cache cannot be resumed from a prefix, or None."""
     mtype = model_type(model) or type(model).__name__
     lm = getattr(model, "language_model", None)
     if lm is None or not hasattr(model, "get_input_embeddings"):
         return f"model {mtype} has no language_model/get_input_embeddings"
+    refused = refused_type(model_type(model))
+    if refused is not None:
+        return refused
     row = family(model)
-    if row.refuse is not None:
-        return f"model type {mtype} {row.refuse}"
     keeps_positions = hasattr(lm, "_rope_deltas") or hasattr(lm, "_position_ids")
     if keeps_positions and not (row.prime_positions or callable(getattr(lm, "get_rope_index", 0))):
         return f"model type {mtype} keeps position state mlxcache does not know how to resume"

@@ -108,6 +108,7 @@ def _metrics_route(app: Any, installed: Any, backend: CacheBackend) -> None:
 def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     """Put mlxcache into mlx-vlm's server (see the module docstring); returns the undo."""
     from mlxcache.integrations.mlx_vlm.apc import install
+    from mlxcache.integrations.mlx_vlm.models import refused_type
     from mlxcache.integrations.mlx_vlm.server_vision import VisionBinder
     from mlxcache.prefix import PrefixCache
 
@@ -128,8 +129,13 @@ def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
             image_token_id=config.get("image_token_id"),
         )
 
+    def refusal(model_path: str) -> str | None:
+        return refused_type(str(_config(model_path).get("model_type", "")))
+
     vision = VisionBinder(backend, salt=options.cache_salt)
-    installed = install(make_prefix, on_load=lambda path: vision.bind(name_of(path)))
+    installed = install(
+        make_prefix, on_load=lambda path: vision.bind(name_of(path)), refusal=refusal
+    )
     app_module = importlib.import_module("mlx_vlm.server.app")
     installed.replace(app_module, "VisionFeatureCache", vision.make)
     from mlx_vlm.server import app
@@ -146,7 +152,10 @@ def _config(model_path: str) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     token = config.get("image_token_id", config.get("image_token_index"))
-    return {"image_token_id": token if isinstance(token, int) else None}
+    return {
+        "image_token_id": token if isinstance(token, int) else None,
+        "model_type": config.get("model_type"),
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
