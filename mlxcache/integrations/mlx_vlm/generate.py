@@ -39,6 +39,7 @@ from mlxcache.integrations.mlx_vlm.engine import chunks_prefill
 from mlxcache.integrations.mlx_vlm.models import (
     accepts_cached_features,
     encode_images,
+    key_inputs,
     prime_positions,
     static_unsupported_reason,
     tell_once,
@@ -136,7 +137,7 @@ def prefill(
     lm = model.language_model
     fresh = make_prompt_cache(lm)
     reason = static_unsupported_reason(model, fresh) if cache is not None else None
-    keys = image_keys(images, pixel_values, model_kwargs)
+    keys = image_keys(images, pixel_values, key_inputs(model, model_kwargs))
     tokens = cast("list[int]", ids[0].tolist())  # one row of token ids
 
     found = resume.lookup(cache if reason is None else None, tokens, fresh, images=keys)
