@@ -32,7 +32,8 @@ class Spec:
     processor derives from each prompt's ids (e.g. Gemma 4's ``mm_token_type_ids``).
     ``unbuilt``: top-level submodules the spec never runs (a text-only spec's fixed-size vision
     tower), whose random weights are never evaluated. ``expect``: "cached" (any block boundary),
-    "refused" (the engine's own path; ``reason`` in its one log line).
+    "refused" (the engine's own path; ``reason`` in its one log line),
+    "repeat" (prefilled in one pass by the engine: only an exact repeat of a whole prompt hits).
     """
 
     name: str

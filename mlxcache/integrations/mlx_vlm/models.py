@@ -167,12 +167,14 @@ def accepts_cached_features(model: Any) -> bool:
 _told: dict[int, set[str]] = {}  # id(model) -> reasons logged (an mlx Module is unhashable)
 
 
-def tell_once(model: Any, reason: str) -> None:
-    """Log why ``model`` runs the engine's own path: once per model object and reason."""
+def tell_once(model: Any, reason: str, path: str = "uncached") -> None:
+    """Log why ``model`` runs the engine's own path: once per model object and reason.
+
+    ``path`` says what mlxcache still reuses of it ("uncached": nothing)."""
     key = id(model)
     if key not in _told:
         _told[key] = set()
         weakref.finalize(model, _told.pop, key, None)
     if reason not in _told[key]:
         _told[key].add(reason)
-        log.info("mlxcache: %s runs mlx-vlm's own path, uncached: %s", model_type(model), reason)
+        log.info("mlxcache: %s runs mlx-vlm's own path, %s: %s", model_type(model), path, reason)
