@@ -28,8 +28,12 @@ class Spec:
 
     ``config``: the ``config.json`` dict. ``image(seed)``: ``(pixel_values, model_kwargs,
     image_token_ids)`` for one image; the tokens are placed at ``IMAGE_AT``. ``text_ids``: the
-    range text tokens are drawn from. ``expect``: "cached" (any block boundary),
-    "refused" (the engine's own path; ``reason`` in its one log line).
+    range text tokens are drawn from. ``token_kwargs(ids)``: per-token model inputs the
+    processor derives from each prompt's ids (e.g. Gemma 4's ``mm_token_type_ids``).
+    ``unbuilt``: top-level submodules the spec never runs (a text-only spec's fixed-size vision
+    tower), whose random weights are never evaluated. ``expect``: "cached" (any block boundary),
+    "refused" (the engine's own path; ``reason`` in its one log line),
+    "repeat" (prefilled in one pass by the engine: only an exact repeat of a whole prompt hits).
     """
 
     name: str
@@ -39,6 +43,8 @@ class Spec:
     expect: str = "cached"
     reason: str = ""
     split_sensitive: bool = False
+    token_kwargs: Callable[[list[int]], dict[str, Any]] | None = None
+    unbuilt: tuple[str, ...] = ()
     group: str = "vlm"
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -50,6 +56,7 @@ IMAGE_AT = 8
 def build(spec: Spec, seed: int = 0) -> Any:
     """The tiny model with reproducible random weights."""
     import mlx.core as mx
+    from mlx.utils import tree_flatten
     from mlx_vlm.utils import get_model_and_args, update_module_configs
 
     cfg = json.loads(json.dumps(spec.config))  # from_dict fills in the dict it is given
@@ -59,7 +66,8 @@ def build(spec: Spec, seed: int = 0) -> Any:
     )
     mx.random.seed(seed)
     model = arch.Model(model_config)
-    mx.eval(model.parameters())
+    params = tree_flatten(model.parameters())
+    mx.eval([a for name, a in params if name.split(".")[0] not in spec.unbuilt])
     model.eval()
     return model
 
@@ -129,6 +137,8 @@ def open_cache(model: Any, uri: str) -> Any:
 
 def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: Any) -> dict:
     """One request through mlxcache against the engine: what a test asserts on."""
+    if spec.token_kwargs is not None:
+        kwargs = {**kwargs, **spec.token_kwargs(ids)}
     tokens, got, result = ours(model, ids, pixels, kwargs, cache)
     split = result.cached_tokens if spec.split_sensitive else 0
     ref_tokens, ref = reference(model, ids, pixels, kwargs, split)

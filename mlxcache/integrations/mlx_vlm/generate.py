@@ -9,7 +9,8 @@ the images' embeddings are not cached, prefills the uncached rest and stores the
 The prompt is prefilled up to its last token, that state is stored, then the last token runs
 alone (as ``generate_step`` does): a repeat of the same prompt restores everything but one
 token, and a hit never needs a cache that can be cut (a sliding-window cache past its window
-is reused at exactly the stored length).
+is reused at exactly the stored length). A prompt mlx-vlm prefills in one pass (a prefix-LM,
+bidirectional image tokens) runs in one pass too; only an exact repeat of it is reused (whole.py).
 """
 
 from __future__ import annotations
@@ -34,16 +35,19 @@ from mlxcache.integrations.generation import (
     stream_result,
     timed_from,
 )
-from mlxcache.integrations.mlx_vlm import engine
+from mlxcache.integrations.mlx_vlm import engine, whole
 from mlxcache.integrations.mlx_vlm.engine import chunks_prefill
 from mlxcache.integrations.mlx_vlm.models import (
     accepts_cached_features,
     encode_images,
+    key_inputs,
     prime_positions,
     static_unsupported_reason,
     tell_once,
 )
 from mlxcache.integrations.resume import log
+
+ONE_PASS = "mlx-vlm prefills this prompt in one pass (no split may be resumed)"
 
 __all__ = [
     "DEFAULT_PREFILL_STEP_SIZE",
@@ -136,7 +140,7 @@ def prefill(
     lm = model.language_model
     fresh = make_prompt_cache(lm)
     reason = static_unsupported_reason(model, fresh) if cache is not None else None
-    keys = image_keys(images, pixel_values, model_kwargs)
+    keys = image_keys(images, pixel_values, key_inputs(model, model_kwargs))
     tokens = cast("list[int]", ids[0].tolist())  # one row of token ids
 
     found = resume.lookup(cache if reason is None else None, tokens, fresh, images=keys)
@@ -157,8 +161,12 @@ def prefill(
     if reason is None and embeds.shape[1] != ids.shape[1]:
         reason = "get_input_embeddings returned another length than the prompt's ids"
     one_pass = not chunks_prefill(model, ids, embeds, run_kwargs)
-    if reason is None and one_pass:
-        reason = "mlx-vlm prefills this prompt in one pass (no split may be resumed)"
+    # a prompt prefilled in one pass: only an exact repeat of all of it is reused (whole.py)
+    repeat_keys = None
+    if cache is not None and reason is None and one_pass:
+        repeat_keys = whole.keys(ids, mask, keys, model_kwargs)
+        tell_once(model, ONE_PASS, path=whole.PATH)
+        hit = None
     use_cache = cache is not None and reason is None
     if cache is not None and reason is not None:
         tell_once(model, reason)
@@ -192,8 +200,22 @@ def prefill(
         )
 
     stored = 0
+    repeat = whole.lookup(cache, tokens, fresh, repeat_keys) if repeat_keys else None
+    if repeat is not None:  # the cache and last logits of the engine's pass over this prompt
+        prompt_cache, logits = repeat
+        return Prefill(
+            prompt_cache=prompt_cache,
+            extras={},
+            num_cached_tokens=n,
+            logits=logits,
+            num_tokens=n,
+            cached=True,
+            token_ids=tokens,
+        )
     if one_pass:
         out = run(0, n)
+        if repeat_keys and not _carried_outputs(out):
+            stored = whole.store(cache, tokens, prompt_cache, out.logits[:, -1, :], repeat_keys)
     else:
         out, stored = resume.finish_prompt(
             run,

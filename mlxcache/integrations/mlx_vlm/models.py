@@ -34,12 +34,14 @@ class Family:
     language model keeps position state (``_rope_deltas``/``_position_ids``) that a resumed
     suffix cannot rebuild, so the full prompt's ``position_ids`` and ``rope_deltas`` are
     computed with its ``get_rope_index`` and passed explicitly, as mlx-vlm's own prefix cache
-    does.
+    does. ``token_inputs``: per-token model inputs that follow the prompt's ids and that a
+    resumed (chunked) prefill never reads, so they are not part of an image's cache key.
     """
 
     refuse: str | None = None
     encoder: Encoder | None = None
     prime_positions: bool = False
+    token_inputs: tuple[str, ...] = ()
 
 
 def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -59,7 +61,17 @@ def _gemma3_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) 
     return model.multi_modal_projector(hidden)
 
 
+def _gemma4_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
+    # get_input_embeddings casts cached and computed features alike to the embeddings' dtype
+    return model.encode_image(pixel_values, kwargs.get("image_position_ids"))
+
+
 _MROPE = Family(prime_positions=True)
+
+# Gemma 4's processor sends mm_token_type_ids (1 on image tokens) with every prompt; the model
+# reads them only for its bidirectional vision overlay, which applies in a one-pass prefill
+# alone (mlxcache never resumes those: engine.chunks_prefill).
+_GEMMA4 = Family(encoder=_gemma4_encoder, token_inputs=("mm_token_type_ids", "token_type_ids"))
 
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(encoder=_qwen_encoder, prime_positions=True),
@@ -68,6 +80,12 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl_moe": _MROPE,
     "gemma3": Family(encoder=_gemma3_encoder),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),
+    "gemma3n": Family(token_inputs=("token_type_ids",)),  # its language model never reads them
+    "gemma4": _GEMMA4,
+    "mllama": Family(
+        refuse="keeps its images' cross-attention states in its KV cache, "
+        "which a token prefix cannot carry"
+    ),
 }
 
 # ``get_input_embeddings`` outputs that the engine passes to the language model in full on
@@ -131,6 +149,12 @@ def prime_positions(model: Any, ids: mx.array, mask: Any, kwargs: dict[str, Any]
     return {"position_ids": position_ids, "rope_deltas": rope_deltas}
 
 
+def key_inputs(model: Any, model_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model inputs that identify a prompt's images: all but the family's token inputs."""
+    skip = family(model).token_inputs
+    return {k: v for k, v in model_kwargs.items() if k not in skip}
+
+
 def encode_images(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
     """The image features the model would compute itself, or None if we cannot run its encoder."""
     enc = family(model).encoder
@@ -150,12 +174,14 @@ def accepts_cached_features(model: Any) -> bool:
 _told: dict[int, set[str]] = {}  # id(model) -> reasons logged (an mlx Module is unhashable)
 
 
-def tell_once(model: Any, reason: str) -> None:
-    """Log why ``model`` runs the engine's own path: once per model object and reason."""
+def tell_once(model: Any, reason: str, path: str = "uncached") -> None:
+    """Log why ``model`` runs the engine's own path: once per model object and reason.
+
+    ``path`` says what mlxcache still reuses of it ("uncached": nothing)."""
     key = id(model)
     if key not in _told:
         _told[key] = set()
         weakref.finalize(model, _told.pop, key, None)
     if reason not in _told[key]:
         _told[key].add(reason)
-        log.info("mlxcache: %s runs mlx-vlm's own path, uncached: %s", model_type(model), reason)
+        log.info("mlxcache: %s runs mlx-vlm's own path, %s: %s", model_type(model), path, reason)
