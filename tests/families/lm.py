@@ -1,0 +1,98 @@
+"""The mlx-lm side of the family matrix: mlxcache's generation against mlx-lm's ``generate_step``.
+
+Tiny random-weight models from the configs in ``mlx_lm_configs.json`` (taken from
+``test_all_models`` in mlx-lm 0.32.2's tests/test_models.py). Every answer must equal mlx-lm's
+uncached ``generate_step`` (greedy tokens, the bytes of every step's log-probabilities); for a
+split-sensitive model (recurrent layers) the reference is mlx-lm resumed at the same split: its
+own chunk call over ``[0, split)``, then ``generate_step`` on the rest with that cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+from families.harness import BLOCK, BRANCH, MAX_TOKENS, PROMPT, digest
+
+CONFIGS = json.loads((Path(__file__).with_name("mlx_lm_configs.json")).read_text())
+
+
+def build(name: str, seed: int = 0) -> Any:
+    import mlx.core as mx
+
+    config = json.loads(json.dumps(CONFIGS[name]))
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    return model
+
+
+def text(name: str, n: int, seed: int) -> list[int]:
+    import numpy as np
+
+    vocab = int(CONFIGS[name].get("vocab_size", 1000))
+    return np.random.default_rng(seed).integers(1, min(vocab, 1000), size=n).tolist()
+
+
+def split_sensitive(model: Any) -> bool:
+    """Recurrent layers (ArraysCache state): numerics depend on where the prompt is split."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return any(type(c).__name__ == "ArraysCache" for c in make_prompt_cache(model))
+
+
+def reference(model: Any, ids: list[int], split: int = 0) -> tuple[list[int], str]:
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    prompt = mx.array(ids)
+    if split:
+        model(prompt[:split][None], cache=cache)  # mlx-lm's own chunk call
+        mx.eval([c.state for c in cache])
+        prompt = prompt[split:]
+    tokens, logprobs = [], []
+    greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
+    for tok, lp in generate_step(
+        prompt, model, max_tokens=MAX_TOKENS, sampler=greedy, prompt_cache=cache
+    ):
+        tokens.append(int(tok))
+        logprobs.append(lp)
+    return tokens, digest(logprobs)
+
+
+def check(model: Any, ids: list[int], cache: Any, sensitive: bool) -> dict:
+    from mlxcache.integrations.mlx_lm import stream_generate_tokens
+
+    steps = list(stream_generate_tokens(model, ids, cache=cache, max_tokens=MAX_TOKENS))
+    result = steps[-1].result
+    got = digest([s.logprobs for s in steps])
+    ref_tokens, ref = reference(model, ids, result.cached_tokens if sensitive else 0)
+    return {
+        "exact": result.tokens == ref_tokens and got == ref,
+        "tokens": result.tokens,
+        "ref_tokens": ref_tokens,
+        "cached": result.cached_tokens,
+        "cached_flag": result.cached,
+    }
+
+
+def scenarios(name: str, uri: str) -> dict[str, dict]:
+    from mlxcache.prefix import PrefixCache
+    from mlxcache.prefix.model_id import model_identity
+
+    model = build(name)
+    sensitive = split_sensitive(model)
+    cache = PrefixCache(uri, model=model_identity(model), block_size=BLOCK, hot_bytes=0)
+    ids = text(name, PROMPT, 1)
+    out = {"cold": check(model, ids, cache, sensitive)}
+    out["warm"] = check(model, ids, cache, sensitive)
+    extended = ids + out["warm"]["tokens"] + text(name, 24, 3)
+    out["extended"] = check(model, extended, cache, sensitive)
+    branched = ids[:BRANCH] + text(name, PROMPT - BRANCH, 4)
+    out["branched"] = check(model, branched, cache, sensitive)
+    return out

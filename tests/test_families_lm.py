@@ -1,0 +1,45 @@
+"""The mlx-lm side of the model-family matrix (docs/models.md): mlx-lm's answer, bit for bit.
+
+One tiny model per family (configs from mlx-lm's own ``test_all_models``), prompts cold, warm,
+extended and branched through mlxcache on a ``file://`` store, each compared with mlx-lm's
+uncached ``generate_step`` (or mlx-lm resumed at the same split, for recurrent layers).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from families import lm  # noqa: E402
+from families.harness import BRANCH, PROMPT  # noqa: E402
+
+# family -> what a branched prompt reuses: "block" (any block boundary), "length" (a stored
+# length only: sliding-window, chunked and recurrent layers, docs/prefix.md)
+FAMILIES = {
+    "glm": "block",
+    "seed_oss": "block",
+    "ernie4_5_moe": "block",
+    "glm4_moe_lite": "block",
+    "llama4_text": "block",
+    "qwen3_vl": "block",
+    "exaone4": "length",
+    "olmo3": "length",
+    "gemma4": "length",
+    "llama4": "length",
+    "mamba2": "length",
+    "qwen3_5": "length",
+    "qwen3_5_moe": "length",
+    "qwen3_next": "length",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_text_family_answers_like_mlx_lm(name, tmp_path):
+    r = lm.scenarios(name, f"file://{tmp_path}")
+    for case, got in r.items():
+        assert got["exact"], (case, got)  # never a different answer
+    assert r["cold"]["cached"] == 0 and r["warm"]["cached"] == PROMPT - 1
+    assert r["extended"]["cached"] >= PROMPT - 1  # the next turn resumes the stored turn
+    branched = BRANCH if FAMILIES[name] == "block" else 0
+    assert r["branched"]["cached"] == branched
