@@ -8,6 +8,7 @@ resumed at the same split: its chunked prefill stopped at the hit's length.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -29,7 +30,8 @@ class Spec:
     ``config``: the ``config.json`` dict. ``image(seed)``: ``(pixel_values, model_kwargs,
     image_token_ids)`` for one image; the tokens are placed at ``IMAGE_AT``. ``text_ids``: the
     range text tokens are drawn from. ``expect``: "cached" (any block boundary),
-    "refused" (the engine's own path; ``reason`` in its one log line).
+    "refused" (the engine's own path; ``reason`` in its one log line). ``building``: a context
+    the model is constructed in (e.g. a smaller fixed sub-config the family hard-codes).
     """
 
     name: str
@@ -42,6 +44,7 @@ class Spec:
     group: str = "vlm"
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    building: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 IMAGE_AT = 8
@@ -58,7 +61,8 @@ def build(spec: Spec, seed: int = 0) -> Any:
         arch.ModelConfig.from_dict(cfg), arch, cfg, ["text", "vision", "audio"]
     )
     mx.random.seed(seed)
-    model = arch.Model(model_config)
+    with spec.building():
+        model = arch.Model(model_config)
     mx.eval(model.parameters())
     model.eval()
     return model

@@ -7,11 +7,14 @@ image token at 999, so each image is a few placeholder tokens.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from families.harness import Spec
+from families.harness import IMAGE_AT, Spec
 
 VOCAB = 1000
 IMAGE_TOKEN = 999
@@ -53,10 +56,14 @@ def _vision(model_type: str, image_size: int = 56, **more: Any) -> dict[str, Any
 
 
 def _image(shape: tuple[int, ...], tokens: int, **kwargs: Any):
-    """An image of ``shape`` pixels that becomes ``tokens`` placeholders."""
+    """An image of ``shape`` pixels that becomes ``tokens`` placeholders; ``kwargs``: the
+    processor's other model inputs (lists become arrays)."""
 
     def make(seed: int):
-        return _pixels(seed, shape), dict(kwargs), [IMAGE_TOKEN] * tokens
+        import mlx.core as mx
+
+        inputs = {k: mx.array(v) if isinstance(v, list) else v for k, v in kwargs.items()}
+        return _pixels(seed, shape), inputs, [IMAGE_TOKEN] * tokens
 
     return make
 
@@ -156,3 +163,187 @@ SPECS = [
         notes="sliding-window layers: reused at a stored length only",
     ),
 ]
+
+LLAMA4 = {
+    "model_type": "llama4",
+    "text_config": _text(
+        "llama4_text",
+        head_dim=16,
+        intermediate_size_mlp=128,
+        num_local_experts=2,
+        interleave_moe_layer_step=2,
+        attention_chunk_size=8192,
+        no_rope_layers=[1, 0],
+    ),
+    "vision_config": {
+        **_vision("llama4_vision_model", intermediate_size=128),
+        "norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "pixel_shuffle_ratio": 0.5,
+        "projector_dropout": 0.0,
+        "projector_input_dim": 64,
+        "projector_output_dim": 64,
+        "vision_output_dim": 64,
+        "rope_theta": 10000,
+        "vision_feature_layer": -1,
+        "vision_feature_select_strategy": "default",
+    },
+    "image_token_index": IMAGE_TOKEN,
+}
+
+SPECS += [
+    Spec(
+        "llama4",
+        LLAMA4,
+        _image((1, 3, 56, 56), 4),
+        expect="exact",
+        extra=NO_ENCODER,
+        notes="chunked-attention layers: reused at a stored length only",
+    )
+]
+
+KIMI_VL = {
+    "model_type": "kimi_vl",
+    "text_config": _text(
+        "deepseek_v3",
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        moe_intermediate_size=64,
+    ),
+    "vision_config": {
+        "model_type": "moonvit",
+        "depth": 1,
+        "embed_dim": 32,
+        "hidden_size": 32,
+        "num_heads": 2,
+        "intermediate_size": 64,
+        "patch_size": 14,
+        "init_pos_emb_height": 8,
+        "init_pos_emb_width": 8,
+    },
+    "vocab_size": VOCAB,
+    "media_placeholder_token_id": IMAGE_TOKEN,
+}
+
+SPECS += [
+    Spec(
+        "kimi_vl",
+        KIMI_VL,
+        _image((16, 3, 14, 14), 4, image_grid_hws=[[4, 4]]),
+        extra=NO_ENCODER,
+    )
+]
+
+LFM2_VL = {
+    "model_type": "lfm2-vl",
+    "text_config": {
+        **_text("lfm2"),
+        "num_heads": 4,
+        "layer_types": ["conv", "full_attention"],
+        "block_dim": 64,
+        "block_ff_dim": 128,
+        "conv_dim": 64,
+        "conv_dim_out": 64,
+    },
+    "vision_config": {
+        **_vision("lfm2_vl", image_size=64),
+        "patch_size": 16,
+        "num_patches": 16,
+    },
+    "image_token_id": IMAGE_TOKEN,
+    "projector_hidden_size": 64,
+}
+
+SPECS += [
+    Spec(
+        "lfm2_vl",
+        LFM2_VL,
+        _image(
+            (1, 16, 768),
+            4,
+            spatial_shapes=[[4, 4]],
+            pixel_attention_mask=[[1] * 16],
+        ),
+        expect="exact",
+        extra=NO_ENCODER,
+        notes="short-conv layers: reused at a stored length only",
+    )
+]
+
+MOLMO = {
+    "model_type": "molmo",
+    "text_config": {
+        "model_type": "molmo",
+        "d_model": 64,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "n_layers": 2,
+        "mlp_hidden_size": 256,
+        "vocab_size": VOCAB,
+        "embedding_size": VOCAB,
+        "additional_vocab_size": 128,
+    },
+    "vision_config": {
+        "model_type": "molmo",
+        "image_default_input_size": [56, 56],
+        "hidden_size": 128,
+        "image_emb_dim": 32,
+        "image_num_heads": 2,
+        "image_num_key_value_heads": 2,
+        "image_num_layers": 1,
+        "image_head_dim": 16,
+        "image_mlp_dim": 64,
+        "image_num_pos": 17,
+        "d_model": 64,
+        "vit_layers": [-1, -1],  # pad_embed assumes two layers
+    },
+}
+
+
+def _molmo_image(seed: int):
+    """One 56 px crop: 16 patches of 588 values, pooled 2x2 into four features that molmo adds
+    to the embeddings at ``image_input_idx`` (absolute prompt positions)."""
+    import mlx.core as mx
+
+    positions = list(range(IMAGE_AT, IMAGE_AT + 4))
+    kwargs = {"image_input_idx": mx.array([positions]), "image_masks": mx.ones((1, 16))}
+    return _pixels(seed, (1, 16, 588)), kwargs, [IMAGE_TOKEN] * 4
+
+
+SPECS += [Spec("molmo", MOLMO, _molmo_image, extra=NO_ENCODER)]
+
+
+@contextlib.contextmanager
+def _small_phi3_v_clip() -> Iterator[None]:
+    """phi3_v builds its vision tower from a class constant, CLIP ViT-L/14-336 (300M weights,
+    16 s to build): the same class with one narrow layer while the model is built."""
+    from mlx_vlm.models.phi3_v.vision import VisionModel
+
+    large = VisionModel.CLIP_VIT_LARGE_PATCH14_336_CONFIG
+    small = dict(vars(large), hidden_size=32, intermediate_size=64, num_attention_heads=2)
+    small["num_hidden_layers"] = 1
+    VisionModel.CLIP_VIT_LARGE_PATCH14_336_CONFIG = SimpleNamespace(**small)
+    try:
+        yield
+    finally:
+        VisionModel.CLIP_VIT_LARGE_PATCH14_336_CONFIG = large
+
+
+# An image is 313 placeholders for phi3_v (more than the matrix's prompt, and 1024-wide CLIP
+# features): the guard covers its language model on text prompts.
+PHI3_V = {
+    "model_type": "phi3_v",
+    "text_config": {},
+    "vision_config": _vision("phi3_v"),
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+}
+
+SPECS += [Spec("phi3_v", PHI3_V, building=_small_phi3_v_clip, notes="text prompts (see PHI3_V)")]
