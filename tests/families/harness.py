@@ -143,6 +143,7 @@ def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: A
         "cached": result.cached_tokens,
         "cached_flag": result.cached,
         "prompt": len(ids),
+        "positions": result.prompt_tokens,  # KV cache positions (more when an image expands)
         "vision_cached": result.vision_cached,
     }
 

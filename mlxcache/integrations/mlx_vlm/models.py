@@ -17,11 +17,13 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.integrations.mlx_vlm.expanded import one_placeholder_expanded
 from mlxcache.integrations.resume import unsupported_cache_reason
 
 log = logging.getLogger("mlxcache")
 
 Encoder = Callable[[Any, mx.array, dict[str, Any]], "mx.array | None"]
+EmbeddingTokens = Callable[[Any, list[int], int], "list[int] | None"]
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,15 @@ class Family:
     language model keeps position state (``_rope_deltas``/``_position_ids``) that a resumed
     suffix cannot rebuild, so the full prompt's ``position_ids`` and ``rope_deltas`` are
     computed with its ``get_rope_index`` and passed explicitly, as mlx-vlm's own prefix cache
-    does.
+    does. ``embedding_tokens``: its ``get_input_embeddings`` can return more positions than
+    the prompt has ids (an image placeholder becomes the image's rows); this gives the prompt's
+    tokens in embedding positions (or None: not mapped), which key and resume it.
     """
 
     refuse: str | None = None
     encoder: Encoder | None = None
     prime_positions: bool = False
+    embedding_tokens: EmbeddingTokens | None = None
 
 
 def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -67,6 +72,8 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl": _MROPE,
     "qwen3_vl_moe": _MROPE,
     "gemma3": Family(encoder=_gemma3_encoder),
+    "llava_next": Family(embedding_tokens=one_placeholder_expanded),
+    "phi4mm": Family(embedding_tokens=one_placeholder_expanded),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),
 }
 
