@@ -207,10 +207,13 @@ def prefill(
     if one_pass:
         out = run(0, n)
     else:
+        # every embedding position runs (a prompt whose ids do not map onto its embeddings is
+        # uncached, and its runs are then exactly mlx-vlm's chunked prefill from position 0)
+        positions = tokens if len(tokens) == n else list(range(n))
         out, stored = resume.finish_prompt(
             run,
             prompt_cache,
-            tokens,
+            positions,
             start,
             cache=cache if use_cache else None,
             step_size=prefill_step_size,
