@@ -142,14 +142,13 @@ AYA = {
 }
 
 SPECS = [
-    Spec("llava", LLAVA, _image((1, 3, 56, 56), 16), extra=NO_ENCODER),
-    Spec("pixtral", PIXTRAL, _image((1, 3, 56, 56), 16), extra=NO_ENCODER),
-    Spec("mistral3", MISTRAL3, _image((1, 3, 56, 56), 4, image_sizes=[[56, 56]]), extra=NO_ENCODER),
+    Spec("llava", LLAVA, _image((1, 3, 56, 56), 16)),
+    Spec("pixtral", PIXTRAL, _image((1, 3, 56, 56), 16)),
+    Spec("mistral3", MISTRAL3, _image((1, 3, 56, 56), 4, image_sizes=[[56, 56]])),
     Spec(
         "ministral3",
         MINISTRAL3,
         _image((1, 3, 56, 56), 4, image_sizes=[[56, 56]]),
-        extra=NO_ENCODER,
     ),
     Spec("idefics3", IDEFICS3, _image((1, 1, 3, 56, 56), 4), extra=NO_ENCODER),
     Spec("smolvlm", SMOLVLM, _image((1, 1, 3, 56, 56), 4), extra=NO_ENCODER),
@@ -268,7 +267,6 @@ SPECS += [
             pixel_attention_mask=[[1] * 16],
         ),
         expect="exact",
-        extra=NO_ENCODER,
         notes="short-conv layers: reused at a stored length only",
     )
 ]

@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.integrations.mlx_vlm import llava_encoders
 from mlxcache.integrations.mlx_vlm.expanded import one_placeholder_expanded
 from mlxcache.integrations.resume import unsupported_cache_reason
 
@@ -72,6 +73,10 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl": _MROPE,
     "qwen3_vl_moe": _MROPE,
     "gemma3": Family(encoder=_gemma3_encoder),
+    "llava": Family(encoder=llava_encoders.llava),
+    "pixtral": Family(encoder=llava_encoders.pixtral),
+    "mistral3": Family(encoder=llava_encoders.mistral3),
+    "lfm2-vl": Family(encoder=llava_encoders.lfm2_vl),
     "llava_next": Family(embedding_tokens=one_placeholder_expanded),
     "phi4mm": Family(embedding_tokens=one_placeholder_expanded),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),

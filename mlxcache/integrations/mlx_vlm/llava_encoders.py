@@ -1,0 +1,59 @@
+"""Image-feature encoders of the llava-style families, for the table in ``models.py``.
+
+Each is the exact computation the family's ``get_input_embeddings`` runs on ``pixel_values``
+when it is not given ``cached_image_features`` (mlx-vlm 0.7.10), so features computed here and
+cached give the same embeddings bit for bit. None: an input form the encoder does not handle
+(the model then runs its own tower).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+
+
+def llava(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
+    """llava: the selected CLIP layer(s), CLS dropped under the "default" strategy, projected."""
+    *_, hidden = model.vision_tower(pixel_values.transpose(0, 2, 3, 1), output_hidden_states=True)
+    layer, default = model.vision_feature_layer, model.vision_feature_select_strategy == "default"
+    if isinstance(layer, int):
+        selected = hidden[layer][:, 1:] if default else hidden[layer]
+    else:
+        pool = [hidden[i][:, 1:] if default else hidden[i] for i in layer]
+        selected = mx.concatenate(pool, axis=-1)
+    return model.multi_modal_projector(selected)
+
+
+def _pixtral_hidden(model: Any, pixel_values: Any, kwargs: dict[str, Any]) -> mx.array | None:
+    if not isinstance(pixel_values, mx.array):
+        return None  # a list of images: the model stacks them itself
+    if pixel_values.ndim == 3:
+        pixel_values = pixel_values[None, ...]
+    *_, hidden = model.vision_tower(
+        pixel_values.transpose(0, 2, 3, 1),
+        output_hidden_states=True,
+        image_sizes=kwargs.get("image_sizes"),
+    )
+    return hidden[model.vision_feature_layer]
+
+
+def pixtral(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
+    """pixtral: the selected layer of its vision tower, projected."""
+    selected = _pixtral_hidden(model, pixel_values, kwargs)
+    return None if selected is None else model.multi_modal_projector(selected)
+
+
+def mistral3(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
+    """mistral3 (and Ministral 3): pixtral's tower, then its patch-merging projector."""
+    selected = _pixtral_hidden(model, pixel_values, kwargs)
+    if selected is None:
+        return None
+    if selected.ndim == 3 and selected.shape[0] == 1:
+        selected = selected.squeeze(0)
+    return model.multi_modal_projector(selected, kwargs.get("image_sizes"))
+
+
+def lfm2_vl(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
+    """lfm2_vl: its own ``encode_images`` views, joined as ``get_input_embeddings`` joins them."""
+    return mx.concatenate(list(model.encode_images(pixel_values, **kwargs)), axis=0)
