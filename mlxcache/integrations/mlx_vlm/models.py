@@ -17,7 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxcache.integrations.mlx_vlm import llava_encoders
+from mlxcache.integrations.mlx_vlm import family_encoders as enc
 from mlxcache.integrations.mlx_vlm.expanded import one_placeholder_expanded
 from mlxcache.integrations.resume import unsupported_cache_reason
 
@@ -73,10 +73,13 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl": _MROPE,
     "qwen3_vl_moe": _MROPE,
     "gemma3": Family(encoder=_gemma3_encoder),
-    "llava": Family(encoder=llava_encoders.llava),
-    "pixtral": Family(encoder=llava_encoders.pixtral),
-    "mistral3": Family(encoder=llava_encoders.mistral3),
-    "lfm2-vl": Family(encoder=llava_encoders.lfm2_vl),
+    "llava": Family(encoder=enc.llava),
+    "pixtral": Family(encoder=enc.pixtral),
+    "mistral3": Family(encoder=enc.mistral3),
+    "lfm2-vl": Family(encoder=enc.lfm2_vl),
+    "aya_vision": Family(encoder=enc.aya_vision),
+    "internvl_chat": Family(encoder=enc.internvl_chat),
+    "kimi_vl": Family(encoder=enc.kimi_vl),
     "llava_next": Family(embedding_tokens=one_placeholder_expanded),
     "phi4mm": Family(embedding_tokens=one_placeholder_expanded),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),

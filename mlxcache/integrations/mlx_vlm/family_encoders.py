@@ -1,4 +1,4 @@
-"""Image-feature encoders of the llava-style families, for the table in ``models.py``.
+"""Image-feature encoders of llava-style and other families, for the table in ``models.py``.
 
 Each is the exact computation the family's ``get_input_embeddings`` runs on ``pixel_values``
 when it is not given ``cached_image_features`` (mlx-vlm 0.7.10), so features computed here and
@@ -57,3 +57,45 @@ def mistral3(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.a
 def lfm2_vl(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
     """lfm2_vl: its own ``encode_images`` views, joined as ``get_input_embeddings`` joins them."""
     return mx.concatenate(list(model.encode_images(pixel_values, **kwargs)), axis=0)
+
+
+def aya_vision(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
+    """aya_vision: llava's selection on its SigLIP tower (with ``spatial_shapes``), projected."""
+    strategy = model.vision_feature_select_strategy
+    if strategy not in ("default", "full"):
+        return None  # the model raises its own error
+    *_, hidden = model.vision_tower(
+        pixel_values.transpose(0, 2, 3, 1),
+        spatial_shapes=kwargs.get("spatial_shapes"),
+        output_hidden_states=True,
+    )
+    selected = hidden[model.vision_feature_layer]
+    return model.multi_modal_projector(selected[:, 1:] if strategy == "default" else selected)
+
+
+def internvl_chat(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
+    """internvl_chat: InternViT without its class token, pixel-shuffled, through ``mlp1``."""
+    from mlx_vlm.models.base import pixel_shuffle
+
+    pixel_values = pixel_values.astype(model.vision_model.embeddings.patch_embedding.weight.dtype)
+    if pixel_values.ndim == 5:
+        pixel_values = pixel_values[0]
+    hidden, _, _ = model.vision_model(pixel_values.transpose(0, 2, 3, 1), output_hidden_states=True)
+    hidden = pixel_shuffle(hidden[:, 1:, :], shuffle_ratio=model.downsample_ratio)
+    for layer in model.mlp1:
+        hidden = layer(hidden)
+    return hidden
+
+
+def kimi_vl(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
+    """kimi_vl: MoonViT on the image grid, projected (videos: the model runs its own tower)."""
+    grid = kwargs.get("image_grid_hws")
+    if grid is None:
+        return None
+    hidden = model.vision_tower(
+        pixel_values.transpose(0, 2, 3, 1),
+        output_hidden_states=True,
+        grid_thw=grid,
+        grid_shapes=kwargs.get("_grid_shapes"),
+    )
+    return model.multi_modal_projector(hidden)
