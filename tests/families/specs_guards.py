@@ -150,8 +150,8 @@ SPECS = [
         MINISTRAL3,
         _image((1, 3, 56, 56), 4, image_sizes=[[56, 56]]),
     ),
-    Spec("idefics3", IDEFICS3, _image((1, 1, 3, 56, 56), 4), extra=NO_ENCODER),
-    Spec("smolvlm", SMOLVLM, _image((1, 1, 3, 56, 56), 4), extra=NO_ENCODER),
+    Spec("idefics3", IDEFICS3, _image((1, 1, 3, 56, 56), 4)),
+    Spec("smolvlm", SMOLVLM, _image((1, 1, 3, 56, 56), 4)),
     Spec("internvl_chat", INTERNVL, _image((1, 3, 56, 56), 4)),
     Spec(
         "aya_vision",
@@ -310,7 +310,7 @@ def _molmo_image(seed: int):
     return _pixels(seed, (1, 16, 588)), kwargs, [IMAGE_TOKEN] * 4
 
 
-SPECS += [Spec("molmo", MOLMO, _molmo_image, extra=NO_ENCODER)]
+SPECS += [Spec("molmo", MOLMO, _molmo_image)]
 
 
 @contextlib.contextmanager

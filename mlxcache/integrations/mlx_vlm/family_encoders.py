@@ -99,3 +99,45 @@ def kimi_vl(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.ar
         grid_shapes=kwargs.get("_grid_shapes"),
     )
     return model.multi_modal_projector(hidden)
+
+
+def molmo(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
+    """molmo: its vision tower's pooled crop features (added at ``image_input_idx`` later)."""
+    pixel_values = pixel_values.astype(model.vision_tower.image_vit.patch_embedding.weight.dtype)
+    masks = kwargs.get("image_masks")
+    if pixel_values.ndim == 3:
+        pixel_values = mx.expand_dims(pixel_values, 0)
+        masks = mx.expand_dims(masks, 0) if masks is not None else None
+    features, _ = model.vision_tower(pixel_values, masks)
+    return features
+
+
+def idefics3(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
+    """idefics3 / smolvlm: the real (non-padding) images' patches through the tower and the
+    pixel-shuffling connector, one row per feature."""
+    import numpy as np
+
+    batch, images, channels, height, width = pixel_values.shape
+    pixel_values = pixel_values.reshape(batch * images, channels, height, width)
+    per_image = np.prod(pixel_values.shape[1:])
+    real = np.where((pixel_values == 0.0).sum(axis=(-1, -2, -3)) != per_image)[0].tolist()
+    pixel_values = pixel_values[real, ...]
+    mask = kwargs.get("pixel_attention_mask")
+    if mask is None:
+        mask = mx.ones(
+            (pixel_values.shape[0], pixel_values.shape[2], pixel_values.shape[3]), dtype=mx.bool_
+        )
+    else:
+        mask = mask.reshape(batch * images, height, width)[real]
+    patch = model.config.vision_config.patch_size
+    n, height, width = mask.shape
+    rows, cols = height // patch, width // patch
+    patches = mask[:, : rows * patch, : cols * patch].reshape(n, rows, patch, cols, patch)
+    patch_mask = patches.transpose(0, 1, 3, 2, 4).sum(axis=(-1, -2)) > 0
+    pooled, *_ = model.vision_model(
+        pixel_values.transpose(0, 2, 3, 1),
+        patch_attention_mask=patch_mask,
+        output_hidden_states=True,
+    )
+    features = model.connector(pooled.astype(pixel_values.dtype))
+    return features.reshape(-1, features.shape[-1])
