@@ -67,6 +67,10 @@ def test_family_answers_like_the_engine(name, stores, caplog):
         assert len(told) == 1 and spec.reason in told[0], told  # once per model load
         return
     assert not told, told
+    if spec.extra.get("expands"):  # keyed in embedding positions: the image's rows count
+        n = r["warm"]["positions"]
+        assert n > harness.PROMPT, r["warm"]
+    assert all(got["positions"] == n for case, got in r.items() if case != "extended")
     assert r["cold"]["cached"] == 0
     assert r["warm"]["cached"] == n - 1  # a repeat restores all but the last token
     assert r["extended"]["cached"] >= n - 1  # the next turn resumes the stored turn
@@ -100,7 +104,7 @@ def test_a_new_process_hits_every_family(stores):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, got in out.items():
         assert got["exact"], (name, got)
-        expected = {"refused": 0, "repeat": harness.PROMPT}.get(
-            SPECS[name].expect, harness.PROMPT - 1
+        expected = {"refused": 0, "repeat": got["positions"]}.get(
+            SPECS[name].expect, got["positions"] - 1
         )
         assert got["cached"] == expected, (name, got)

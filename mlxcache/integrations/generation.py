@@ -25,7 +25,7 @@ class Prefill:
     extras: dict[str, mx.array]  # state stored with the KV cache, e.g. M-RoPE ``rope_deltas``
     num_cached_tokens: int  # prompt tokens restored from the cache (not recomputed)
     logits: mx.array | None  # (1, vocab) logits of the last prompt token (None: engine's path)
-    num_tokens: int = 0  # prompt length
+    num_tokens: int = 0  # prompt length in KV cache positions (an expanded image counts its rows)
     num_stored_tokens: int = 0  # new tokens written to the cache
     vision_cached: bool = False  # image features came from the cache: the encoder did not run
     cached: bool = True  # False when the model or its cache classes ran uncached

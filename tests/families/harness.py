@@ -8,6 +8,7 @@ resumed at the same split: its chunked prefill stopped at the hit's length.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable
@@ -34,6 +35,8 @@ class Spec:
     tower), whose random weights are never evaluated. ``expect``: "cached" (any block boundary),
     "refused" (the engine's own path; ``reason`` in its one log line),
     "repeat" (prefilled in one pass by the engine: only an exact repeat of a whole prompt hits).
+    ``building``: a context the model is constructed in (e.g. a smaller fixed sub-config the
+    family hard-codes).
     """
 
     name: str
@@ -48,6 +51,7 @@ class Spec:
     group: str = "vlm"
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    building: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
 
 IMAGE_AT = 8
@@ -65,7 +69,8 @@ def build(spec: Spec, seed: int = 0) -> Any:
         arch.ModelConfig.from_dict(cfg), arch, cfg, ["text", "vision", "audio"]
     )
     mx.random.seed(seed)
-    model = arch.Model(model_config)
+    with spec.building():
+        model = arch.Model(model_config)
     params = tree_flatten(model.parameters())
     mx.eval([a for name, a in params if name.split(".")[0] not in spec.unbuilt])
     model.eval()
@@ -149,6 +154,7 @@ def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: A
         "cached": result.cached_tokens,
         "cached_flag": result.cached,
         "prompt": len(ids),
+        "positions": result.prompt_tokens,  # KV cache positions (more when an image expands)
         "vision_cached": result.vision_cached,
     }
 

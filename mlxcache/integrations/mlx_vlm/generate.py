@@ -40,6 +40,7 @@ from mlxcache.integrations.mlx_vlm.engine import chunks_prefill
 from mlxcache.integrations.mlx_vlm.models import (
     accepts_cached_features,
     encode_images,
+    family,
     key_inputs,
     prime_positions,
     static_unsupported_reason,
@@ -143,22 +144,32 @@ def prefill(
     keys = image_keys(images, pixel_values, key_inputs(model, model_kwargs))
     tokens = cast("list[int]", ids[0].tolist())  # one row of token ids
 
+    # A family whose embeddings may outnumber the ids embeds first: it is keyed and resumed in
+    # embedding positions (models.Family.embedding_tokens).
+    expands = family(model).embedding_tokens
+    embedded = None
+    if expands is not None and pixel_values is not None:
+        embedded = _embed(model, ids, pixel_values, mask, model_kwargs, None)
+        if embedded[0].shape[1] != len(tokens):
+            tokens = expands(model, tokens, embedded[0].shape[1]) or tokens
     found = resume.lookup(cache if reason is None else None, tokens, fresh, images=keys)
     hit, restored = found.hit, found.vision_embeddings
 
     # Image features: restored with the prefix, else computed once here (the same computation
     # the model runs) so they can be stored; the model then never runs its own encoder.
     features, vision_cached = None, False
-    if pixel_values is not None and accepts_cached_features(model):
+    if embedded is None and pixel_values is not None and accepts_cached_features(model):
         if restored is not None:
             features, vision_cached = restored, True
         else:
             features = encode_images(model, pixel_values, model_kwargs)
-    embeds, extra = _embed(model, ids, pixel_values, mask, model_kwargs, features)
+    if embedded is None:
+        embedded = _embed(model, ids, pixel_values, mask, model_kwargs, features)
+    embeds, extra = embedded
     run_kwargs = {**model_kwargs, **extra}
     if "position_ids" not in extra:
         run_kwargs.update(prime_positions(model, ids, mask, model_kwargs))
-    if reason is None and embeds.shape[1] != ids.shape[1]:
+    if reason is None and embeds.shape[1] != len(tokens):
         reason = "get_input_embeddings returned another length than the prompt's ids"
     one_pass = not chunks_prefill(model, ids, embeds, run_kwargs)
     # a prompt prefilled in one pass: only an exact repeat of all of it is reused (whole.py)
@@ -185,10 +196,11 @@ def prefill(
         assert hit.prompt_cache is not None  # resume.lookup keeps only hits with a cache
         prompt_cache = hit.prompt_cache
     start = hit.num_tokens if hit is not None else 0
-    n = ids.shape[1]
+    n = embeds.shape[1]
 
     def run(s: int, e: int) -> Any:
-        # mlx-vlm's calls: a chunk gets n_to_process, the last token does not; both keep one row
+        # mlx-vlm's calls: a chunk gets n_to_process, the last token does not; both keep one row.
+        # Positions are embedding positions; the ids are sliced alike (clipped), as mlx-vlm does
         chunk = {"n_to_process": e - s} if e < n else {}
         return lm(
             ids[:, s:e],
@@ -217,10 +229,13 @@ def prefill(
         if repeat_keys and not _carried_outputs(out):
             stored = whole.store(cache, tokens, prompt_cache, out.logits[:, -1, :], repeat_keys)
     else:
+        # every embedding position runs (a prompt whose ids do not map onto its embeddings is
+        # uncached, and its runs are then exactly mlx-vlm's chunked prefill from position 0)
+        positions = tokens if len(tokens) == n else list(range(n))
         out, stored = resume.finish_prompt(
             run,
             prompt_cache,
-            tokens,
+            positions,
             start,
             cache=cache if use_cache else None,
             step_size=prefill_step_size,
@@ -240,7 +255,7 @@ def prefill(
         vision_cached=vision_cached,
         cached=use_cache,
         decode_kwargs=_carried_outputs(out),
-        token_ids=tokens,
+        token_ids=cast("list[int]", ids[0].tolist()),
     )
 
 

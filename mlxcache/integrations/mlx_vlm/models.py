@@ -17,11 +17,14 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.integrations.mlx_vlm import family_encoders as enc
+from mlxcache.integrations.mlx_vlm.expanded import one_placeholder_expanded
 from mlxcache.integrations.resume import unsupported_cache_reason
 
 log = logging.getLogger("mlxcache")
 
 Encoder = Callable[[Any, mx.array, dict[str, Any]], "mx.array | None"]
+EmbeddingTokens = Callable[[Any, list[int], int], "list[int] | None"]
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,16 @@ class Family:
     computed with its ``get_rope_index`` and passed explicitly, as mlx-vlm's own prefix cache
     does. ``token_inputs``: per-token model inputs that follow the prompt's ids and that a
     resumed (chunked) prefill never reads, so they are not part of an image's cache key.
+    ``embedding_tokens``: its ``get_input_embeddings`` can return more positions than
+    the prompt has ids (an image placeholder becomes the image's rows); this gives the prompt's
+    tokens in embedding positions (or None: not mapped), which key and resume it.
     """
 
     refuse: str | None = None
     encoder: Encoder | None = None
     prime_positions: bool = False
     token_inputs: tuple[str, ...] = ()
+    embedding_tokens: EmbeddingTokens | None = None
 
 
 def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -79,6 +86,18 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl": _MROPE,
     "qwen3_vl_moe": _MROPE,
     "gemma3": Family(encoder=_gemma3_encoder),
+    "llava": Family(encoder=enc.llava),
+    "pixtral": Family(encoder=enc.pixtral),
+    "mistral3": Family(encoder=enc.mistral3),
+    "lfm2-vl": Family(encoder=enc.lfm2_vl),
+    "aya_vision": Family(encoder=enc.aya_vision),
+    "internvl_chat": Family(encoder=enc.internvl_chat),
+    "kimi_vl": Family(encoder=enc.kimi_vl),
+    "molmo": Family(encoder=enc.molmo),
+    "idefics3": Family(encoder=enc.idefics3),
+    "smolvlm": Family(encoder=enc.idefics3),
+    "llava_next": Family(embedding_tokens=one_placeholder_expanded),
+    "phi4mm": Family(embedding_tokens=one_placeholder_expanded),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),
     "gemma3n": Family(token_inputs=("token_type_ids",)),  # its language model never reads them
     "gemma4": _GEMMA4,
