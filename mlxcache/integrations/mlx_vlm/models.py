@@ -76,6 +76,8 @@ _GEMMA4 = Family(encoder=_gemma4_encoder, token_inputs=("mm_token_type_ids", "to
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(encoder=_qwen_encoder, prime_positions=True),
     "qwen2_5_vl": Family(encoder=_qwen_encoder, prime_positions=True),
+    # no encoder: given cached_image_features, their get_input_embeddings drops the deepstack
+    # rows; the full outputs go to every chunk and the LM aligns them with its cache offset
     "qwen3_vl": _MROPE,
     "qwen3_vl_moe": _MROPE,
     "gemma3": Family(encoder=_gemma3_encoder),

@@ -1,0 +1,114 @@
+"""Qwen3-VL, Qwen3.5, GLM-4.xV and PaddleOCR-VL: M-RoPE position state (issue 25).
+
+Dimensions follow mlx-vlm 0.7.10's own tests (``mlx_vlm/tests/test_models.py``), shrunk to
+2 layers; each image spans the first block boundary (its tokens run 9..44 with the
+``vision_start`` token at ``IMAGE_AT``), so hits end both inside and after an image.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from families.harness import Spec
+
+VOCAB = 1000
+IMAGE, VIDEO, VISION_START, VISION_END = 999, 998, 997, 996
+GRID = (1, 12, 12)  # 144 patches, 36 tokens after the 2x2 merge
+
+
+def _patches(seed: int, dim: int, grid: tuple[int, int, int] = GRID):
+    import mlx.core as mx
+
+    n = grid[0] * grid[1] * grid[2]
+    pixels = np.random.default_rng(seed).standard_normal((n, dim)).astype(np.float32)
+    return mx.array(pixels), {"image_grid_thw": mx.array([list(grid)])}
+
+
+def _qwen_image(dim: int) -> Any:
+    def image(seed: int):
+        pixels, kwargs = _patches(seed, dim)
+        tokens = GRID[0] * GRID[1] * GRID[2] // 4
+        return pixels, kwargs, [VISION_START] + [IMAGE] * tokens
+
+    return image
+
+
+_TOKENS = {
+    "image_token_id": IMAGE,
+    "video_token_id": VIDEO,
+    "vision_start_token_id": VISION_START,
+    "vision_end_token_id": VISION_END,
+    "vocab_size": VOCAB,
+}
+
+_QWEN3_TEXT = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "head_dim": 16,
+    "vocab_size": VOCAB,
+    "rope_theta": 1000,
+    "max_position_embeddings": 1000,
+    "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "mrope", "mrope_section": [4, 2, 2]},
+}
+
+_QWEN3_VISION = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "out_hidden_size": 64,
+    "num_heads": 2,
+    "patch_size": 14,
+    "in_channels": 3,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [0],  # one deepstack row per image token into layer 0
+}
+
+QWEN3_VL = {
+    "model_type": "qwen3_vl",
+    "text_config": {"model_type": "qwen3_vl_text", **_QWEN3_TEXT},
+    "vision_config": {"model_type": "qwen3_vl", **_QWEN3_VISION},
+    **_TOKENS,
+}
+
+QWEN3_VL_MOE = {
+    "model_type": "qwen3_vl_moe",
+    "text_config": {
+        "model_type": "qwen3_vl_moe_text",
+        **_QWEN3_TEXT,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+    },
+    "vision_config": {"model_type": "qwen3_vl_moe", **_QWEN3_VISION},
+    **_TOKENS,
+}
+
+SPECS = [
+    Spec(
+        "qwen3_vl",
+        QWEN3_VL,
+        _qwen_image(3 * 2 * 14 * 14),
+        text_ids=(1, 990),
+        extra={"encoder": False},
+        notes="deepstack rows and visual_pos_masks aligned by the LM at its cache offset",
+    ),
+    Spec(
+        "qwen3_vl_moe",
+        QWEN3_VL_MOE,
+        _qwen_image(3 * 2 * 14 * 14),
+        text_ids=(1, 990),
+        extra={"encoder": False},
+        notes="as qwen3_vl, with MoE layers",
+    ),
+]
