@@ -1,5 +1,6 @@
-"""Hits that end inside an image, for the families whose language model aligns per-token image
-inputs (deepstack rows, visual masks, M-RoPE positions) with its cache offset (issue 25).
+"""Hits that end inside an image, and text-only prompts, for the families whose language model
+aligns per-token image inputs (deepstack rows, visual masks, M-RoPE positions) with its cache
+offset (issue 25).
 
 The matrix (test_families.py) only resumes after an image; here a prompt that ends with its
 image is stored (its last image token runs alone), then the whole prompt resumes at that stored
@@ -40,3 +41,15 @@ def test_a_hit_inside_an_image_answers_like_the_engine(name, tmp_path):
         short = harness.check(spec, model, ends_in_image, pixels, kwargs, cache)
         assert whole["exact"] and short["exact"], (whole, short)
         assert short["cached"] == harness.BLOCK
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_text_only_prompts_answer_like_the_engine(name, tmp_path):
+    """Without an image the same models keep text M-RoPE positions: cold, warm, extended."""
+    spec = SPECS[name]
+    model = harness.build(spec)
+    ids = harness.text(spec, harness.PROMPT, 1)
+    cache = harness.open_cache(model, f"file://{tmp_path}")
+    got = [harness.check(spec, model, p, None, {}, cache) for p in (ids, ids, ids + ids[:24])]
+    assert all(g["exact"] for g in got), got
+    assert [g["cached"] for g in got] == [0, harness.PROMPT - 1, harness.PROMPT - 1]

@@ -94,6 +94,53 @@ QWEN3_VL_MOE = {
     **_TOKENS,
 }
 
+_QWEN3_5_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 3,
+    "num_hidden_layers": 2,
+    "full_attention_interval": 2,  # a gated-delta layer, then a full-attention one
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 1000,
+    "rope_parameters": {
+        "type": "default",
+        "mrope_section": [4, 2, 2],
+        "rope_theta": 100000,
+        "partial_rotary_factor": 0.5,
+    },
+}
+_QWEN3_5_VISION = {**_QWEN3_VISION, "deepstack_visual_indexes": []}  # none in Qwen3.5
+
+QWEN3_5 = {
+    "model_type": "qwen3_5",
+    "text_config": {"model_type": "qwen3_5", **_QWEN3_5_TEXT},
+    "vision_config": {"model_type": "qwen3_5", **_QWEN3_5_VISION},
+    **_TOKENS,
+}
+
+_QWEN3_5_MOE_TEXT = {k: v for k, v in _QWEN3_5_TEXT.items() if k != "intermediate_size"}
+QWEN3_5_MOE = {
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        "model_type": "qwen3_5_moe",
+        **_QWEN3_5_MOE_TEXT,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_expert_intermediate_size": 128,
+        "moe_intermediate_size": 64,
+    },
+    "vision_config": {"model_type": "qwen3_5_moe", **_QWEN3_5_VISION},
+    **_TOKENS,
+}
+
 SPECS = [
     Spec(
         "qwen3_vl",
@@ -110,5 +157,23 @@ SPECS = [
         text_ids=(1, 990),
         extra={"encoder": False},
         notes="as qwen3_vl, with MoE layers",
+    ),
+    Spec(
+        "qwen3_5",
+        QWEN3_5,
+        _qwen_image(3 * 2 * 14 * 14),
+        text_ids=(1, 990),
+        expect="exact",
+        split_sensitive=True,
+        notes="gated-delta recurrent layers: reused at a stored length only",
+    ),
+    Spec(
+        "qwen3_5_moe",
+        QWEN3_5_MOE,
+        _qwen_image(3 * 2 * 14 * 14),
+        text_ids=(1, 990),
+        expect="exact",
+        split_sensitive=True,
+        notes="as qwen3_5, with MoE layers",
     ),
 ]

@@ -52,6 +52,16 @@ def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) ->
     return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
 
 
+def _qwen3_5_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
+    # Qwen3.5's get_input_embeddings: the tower's hidden states (it has no deepstack rows)
+    grid = kwargs.get("image_grid_thw")
+    if grid is None:
+        return None  # videos: let the model run its own tower
+    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    hidden, _ = model.vision_tower(pixel_values.astype(dtype), grid)
+    return hidden
+
+
 def _gemma3_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
     # the dtype of the text embeddings (a quantized embedding's weight is uint32)
     dtype = model.language_model.model.embed_tokens(mx.array([[0]])).dtype
@@ -80,6 +90,9 @@ FAMILIES: dict[str, Family] = {
     # rows; the full outputs go to every chunk and the LM aligns them with its cache offset
     "qwen3_vl": _MROPE,
     "qwen3_vl_moe": _MROPE,
+    # gated-delta layers too: their restored state is exact at a stored length only
+    "qwen3_5": Family(encoder=_qwen3_5_encoder, prime_positions=True),
+    "qwen3_5_moe": Family(encoder=_qwen3_5_encoder, prime_positions=True),
     "gemma3": Family(encoder=_gemma3_encoder),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),
     "gemma3n": Family(token_inputs=("token_type_ids",)),  # its language model never reads them
