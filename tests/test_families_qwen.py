@@ -10,11 +10,15 @@ block boundary the image spans. Every answer is the engine's, bit for bit.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 pytest.importorskip("mlx_vlm")
 
 from families import harness, specs_qwen  # noqa: E402
+
+from mlxcache.integrations.mlx_vlm.models import FAMILIES  # noqa: E402
 
 SPECS = {s.name: s for s in specs_qwen.SPECS if s.image is not None and s.expect != "refused"}
 
@@ -45,11 +49,71 @@ def test_a_hit_inside_an_image_answers_like_the_engine(name, tmp_path):
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_text_only_prompts_answer_like_the_engine(name, tmp_path):
-    """Without an image the same models keep text M-RoPE positions: cold, warm, extended."""
+    """Without an image (after one: no position state left over) the same models keep text
+    M-RoPE positions: cold, warm, extended."""
     spec = SPECS[name]
     model = harness.build(spec)
-    ids = harness.text(spec, harness.PROMPT, 1)
     cache = harness.open_cache(model, f"file://{tmp_path}")
+    assert harness.check(spec, model, *harness.prompt(spec), cache)["exact"]
+    ids = harness.text(spec, harness.PROMPT, 1)
     got = [harness.check(spec, model, p, None, {}, cache) for p in (ids, ids, ids + ids[:24])]
     assert all(g["exact"] for g in got), got
     assert [g["cached"] for g in got] == [0, harness.PROMPT - 1, harness.PROMPT - 1]
+
+
+def _engine(model, ids, pixels, kwargs, step):
+    import mlx.core as mx
+    from mlx_vlm.generate.ar import generate_step
+
+    x = mx.array([ids])
+    steps = generate_step(
+        x,
+        model,
+        pixels,
+        mx.ones_like(x),
+        max_tokens=harness.MAX_TOKENS,
+        temperature=0.0,
+        prefill_step_size=step,
+        **kwargs,
+    )
+    tokens, logprobs = zip(*((int(t), lp) for t, lp in steps), strict=True)
+    return list(tokens), harness.digest(list(logprobs))
+
+
+def _ours(model, ids, pixels, kwargs, cache, step):
+    from mlxcache.integrations.mlx_vlm import stream_generate_tokens
+
+    steps = list(
+        stream_generate_tokens(
+            model,
+            ids,
+            pixels,
+            cache=cache,
+            max_tokens=harness.MAX_TOKENS,
+            prefill_step_size=step,
+            **kwargs,
+        )
+    )
+    return steps[-1].result.tokens, harness.digest([s.logprobs for s in steps]), steps[-1].result
+
+
+SLICED = sorted(n for n in SPECS if FAMILIES[SPECS[n].config["model_type"]].slice_positions)
+
+
+@pytest.mark.parametrize("name", SLICED)
+def test_positions_past_the_engines_first_chunk(name, tmp_path, caplog):
+    """GLM-4V and PaddleOCR-VL place tokens past mlx-vlm's first prefill chunk at
+    ``offset + rope_deltas``: text there is resumed; an image there is not (engine's answer)."""
+    spec = SPECS[name]
+    model = harness.build(spec)
+    ids, pixels, kwargs = harness.prompt(spec)
+    cache = harness.open_cache(model, f"file://{tmp_path}")
+    cached = []
+    with caplog.at_level(logging.INFO, logger="mlxcache"):
+        for step in (64, 64, 16, 16):  # the image (8..44) lies in the first 64 tokens, not 16
+            tokens, digest, result = _ours(model, ids, pixels, kwargs, cache, step)
+            assert (tokens, digest) == _engine(model, ids, pixels, kwargs, step), step
+            cached.append((result.cached_tokens, result.cached))
+    n = harness.PROMPT
+    assert cached == [(0, True), (n - 1, True), (0, False), (0, False)]
+    assert [m for m in caplog.messages if "first prefill chunk" in m], caplog.messages

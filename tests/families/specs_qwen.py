@@ -141,6 +141,64 @@ QWEN3_5_MOE = {
     **_TOKENS,
 }
 
+_GLM_TOKENS = {**_TOKENS, "image_token_index": IMAGE, "video_token_index": VIDEO}
+_GLM4V_TEXT = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 1000,
+    "partial_rotary_factor": 0.5,
+    "rope_scaling": {"rope_type": "default", "mrope_section": [2, 1, 1]},
+    "eos_token_id": [VOCAB - 10],
+}
+_GLM4V_VISION = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 2,
+    "patch_size": 14,
+    "image_size": 112,
+    "out_hidden_size": 64,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+}
+GLM4V = {
+    "model_type": "glm4v",
+    "text_config": {"model_type": "glm4v_text", **_GLM4V_TEXT},
+    "vision_config": {"model_type": "glm4v_vision", **_GLM4V_VISION},
+    "hidden_size": 64,
+    **_GLM_TOKENS,
+}
+
+GLM4V_MOE = {
+    "model_type": "glm4v_moe",
+    "text_config": {
+        "model_type": "glm4v_moe",
+        **{k: v for k, v in _GLM4V_TEXT.items() if k != "eos_token_id"},
+        "head_dim": 16,
+        "rope_theta": 10000,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": False,
+        "n_group": 1,
+        "topk_group": 1,
+        "n_shared_experts": 1,
+        "n_routed_experts": 4,
+        "routed_scaling_factor": 1.0,
+        "num_experts_per_tok": 2,
+        "first_k_dense_replace": 1,  # a dense layer, then an MoE one
+        "rms_norm_eps": 1e-5,
+        "use_qk_norm": True,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    },
+    "vision_config": {"model_type": "glm4v_moe", **_GLM4V_VISION},
+    "hidden_size": 64,
+    **_GLM_TOKENS,
+}
+
 SPECS = [
     Spec(
         "qwen3_vl",
@@ -175,5 +233,19 @@ SPECS = [
         expect="exact",
         split_sensitive=True,
         notes="as qwen3_5, with MoE layers",
+    ),
+    Spec(
+        "glm4v",
+        GLM4V,
+        _qwen_image(3 * 2 * 14 * 14),
+        text_ids=(1, 990),
+        notes="explicit position_ids are used as given: each chunk gets its slice",
+    ),
+    Spec(
+        "glm4v_moe",
+        GLM4V_MOE,
+        _qwen_image(3 * 2 * 14 * 14),
+        text_ids=(1, 990),
+        notes="as glm4v, with MoE layers",
     ),
 ]

@@ -35,11 +35,12 @@ from mlxcache.integrations.generation import (
     stream_result,
     timed_from,
 )
-from mlxcache.integrations.mlx_vlm import engine, whole
+from mlxcache.integrations.mlx_vlm import engine, positions, whole
 from mlxcache.integrations.mlx_vlm.engine import chunks_prefill
 from mlxcache.integrations.mlx_vlm.models import (
     accepts_cached_features,
     encode_images,
+    family,
     key_inputs,
     prime_positions,
     static_unsupported_reason,
@@ -158,6 +159,10 @@ def prefill(
     run_kwargs = {**model_kwargs, **extra}
     if "position_ids" not in extra:
         run_kwargs.update(prime_positions(model, ids, mask, model_kwargs))
+    sliced = family(model).slice_positions
+    if sliced:
+        why = positions.engine_positions(run_kwargs, ids.shape[1], prefill_step_size)
+        reason = reason or why
     if reason is None and embeds.shape[1] != ids.shape[1]:
         reason = "get_input_embeddings returned another length than the prompt's ids"
     one_pass = not chunks_prefill(model, ids, embeds, run_kwargs)
@@ -196,7 +201,7 @@ def prefill(
             cache=prompt_cache,
             logits_to_keep=1,
             **chunk,
-            **run_kwargs,
+            **(positions.for_chunk(run_kwargs, s, e) if sliced else run_kwargs),
         )
 
     stored = 0

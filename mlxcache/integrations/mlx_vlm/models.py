@@ -36,12 +36,16 @@ class Family:
     computed with its ``get_rope_index`` and passed explicitly, as mlx-vlm's own prefix cache
     does. ``token_inputs``: per-token model inputs that follow the prompt's ids and that a
     resumed (chunked) prefill never reads, so they are not part of an image's cache key.
+    ``slice_positions``: its language model uses an explicit ``position_ids`` as given
+    (no slicing at its cache offset), so each chunk gets the engine's positions for its own
+    tokens (``positions.py``).
     """
 
     refuse: str | None = None
     encoder: Encoder | None = None
     prime_positions: bool = False
     token_inputs: tuple[str, ...] = ()
+    slice_positions: bool = False
 
 
 def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -60,6 +64,16 @@ def _qwen3_5_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any])
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
     hidden, _ = model.vision_tower(pixel_values.astype(dtype), grid)
     return hidden
+
+
+def _paddleocr_encoder(
+    model: Any, pixel_values: mx.array, kwargs: dict[str, Any]
+) -> mx.array | None:
+    grid = kwargs.get("image_grid_thw")
+    if grid is None:
+        return None  # videos: let the model run its own tower
+    dtype = model.visual.embeddings.patch_embedding.weight.dtype
+    return model.visual(mx.array(pixel_values, dtype=dtype), grid, output_hidden_states=False)
 
 
 def _gemma3_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
@@ -93,6 +107,10 @@ FAMILIES: dict[str, Family] = {
     # gated-delta layers too: their restored state is exact at a stored length only
     "qwen3_5": Family(encoder=_qwen3_5_encoder, prime_positions=True),
     "qwen3_5_moe": Family(encoder=_qwen3_5_encoder, prime_positions=True),
+    # their LMs take an explicit position_ids as given, and rope_deltas past the first chunk
+    "glm4v": Family(encoder=_qwen_encoder, prime_positions=True, slice_positions=True),
+    "glm4v_moe": Family(encoder=_qwen_encoder, prime_positions=True, slice_positions=True),
+    "paddleocr_vl": Family(encoder=_paddleocr_encoder, prime_positions=True, slice_positions=True),
     "gemma3": Family(encoder=_gemma3_encoder),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),
     "gemma3n": Family(token_inputs=("token_type_ids",)),  # its language model never reads them
