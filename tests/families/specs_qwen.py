@@ -199,6 +199,48 @@ GLM4V_MOE = {
     **_GLM_TOKENS,
 }
 
+_PADDLEOCR_TEXT = {
+    "hidden_size": 1024,  # the width its vision projector is built for (fixed in mlx-vlm)
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 1000,
+    "hidden_act": "silu",
+    "use_bias": False,
+    "rope_scaling": {"rope_type": "default", "type": "default", "mrope_section": [4, 2, 2]},
+}
+PADDLEOCR_VL = {  # text dimensions at the top level too, as in PaddleOCR-VL's config.json
+    "model_type": "paddleocr_vl",
+    **_PADDLEOCR_TEXT,
+    "text_config": {"model_type": "paddleocr_vl", **_PADDLEOCR_TEXT},
+    "vision_config": {
+        "model_type": "paddleocr_vl",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "image_size": 112,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+    },
+    **{k: v for k, v in _TOKENS.items() if k != "vocab_size"},
+}
+
+
+def _paddleocr_image(seed: int):
+    import mlx.core as mx
+
+    n = GRID[0] * GRID[1] * GRID[2]
+    rng = np.random.default_rng(seed)
+    pixels = rng.standard_normal((1, n, 3, 14, 14)).astype(np.float32)
+    tokens = [VISION_START] + [IMAGE] * (n // 4)
+    return mx.array(pixels), {"image_grid_thw": mx.array([list(GRID)])}, tokens
+
+
 SPECS = [
     Spec(
         "qwen3_vl",
@@ -247,5 +289,12 @@ SPECS = [
         _qwen_image(3 * 2 * 14 * 14),
         text_ids=(1, 990),
         notes="as glm4v, with MoE layers",
+    ),
+    Spec(
+        "paddleocr_vl",
+        PADDLEOCR_VL,
+        _paddleocr_image,
+        text_ids=(1, 990),
+        notes="as glm4v: explicit position_ids used as given",
     ),
 ]
