@@ -247,15 +247,13 @@ SPECS = [
         QWEN3_VL,
         _qwen_image(3 * 2 * 14 * 14),
         text_ids=(1, 990),
-        extra={"encoder": False},
-        notes="deepstack rows and visual_pos_masks aligned by the LM at its cache offset",
+        notes="deepstack rows cached with the image features; aligned by the LM at its offset",
     ),
     Spec(
         "qwen3_vl_moe",
         QWEN3_VL_MOE,
         _qwen_image(3 * 2 * 14 * 14),
         text_ids=(1, 990),
-        extra={"encoder": False},
         notes="as qwen3_vl, with MoE layers",
     ),
     Spec(

@@ -45,6 +45,7 @@ from mlxcache.integrations.mlx_vlm.models import (
     prime_positions,
     static_unsupported_reason,
     tell_once,
+    unpack_features,
 )
 from mlxcache.integrations.resume import log
 
@@ -108,11 +109,12 @@ def _embed(
 ) -> tuple[mx.array, dict[str, Any]]:
     """``get_input_embeddings``: (inputs_embeds, its other non-None outputs by name)."""
     emb_kwargs = dict(kwargs)
+    carried: dict[str, Any] = {}  # outputs the model leaves out given cached features
     if features is not None:
-        emb_kwargs["cached_image_features"] = features
+        emb_kwargs["cached_image_features"], carried = unpack_features(model, features)
     emb = model.get_input_embeddings(ids, pixel_values, mask=mask, **emb_kwargs)
     extra = {k: v for k, v in emb.to_dict().items() if k != "inputs_embeds" and v is not None}
-    return emb.inputs_embeds, extra
+    return emb.inputs_embeds, {**extra, **carried}
 
 
 def prefill(

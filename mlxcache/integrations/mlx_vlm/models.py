@@ -22,6 +22,9 @@ from mlxcache.integrations.resume import unsupported_cache_reason
 log = logging.getLogger("mlxcache")
 
 Encoder = Callable[[Any, mx.array, dict[str, Any]], "mx.array | None"]
+# cached features -> (what get_input_embeddings takes as cached_image_features, outputs it then
+# leaves out that the language model still needs)
+Unpack = Callable[[Any, mx.array], "tuple[mx.array, dict[str, Any]]"]
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,8 @@ class Family:
     resumed (chunked) prefill never reads, so they are not part of an image's cache key.
     ``slice_positions``: its language model uses an explicit ``position_ids`` as given
     (no slicing at its cache offset), so each chunk gets the engine's positions for its own
-    tokens (``positions.py``).
+    tokens (``positions.py``). ``unpack``: its encoder stores more than the features its
+    ``get_input_embeddings`` takes back (Qwen3-VL's deepstack rows): how to split them.
     """
 
     refuse: str | None = None
@@ -46,6 +50,7 @@ class Family:
     prime_positions: bool = False
     token_inputs: tuple[str, ...] = ()
     slice_positions: bool = False
+    unpack: Unpack | None = None
 
 
 def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -54,6 +59,27 @@ def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) ->
         return None  # videos: let the model run its own tower
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
     return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
+
+
+def _qwen3_vl_encoder(
+    model: Any, pixel_values: mx.array, kwargs: dict[str, Any]
+) -> mx.array | None:
+    # the tower's features and its deepstack rows (one set per deepstack layer), stacked
+    grid = kwargs.get("image_grid_thw")
+    if grid is None or kwargs.get("video_grid_thw") is not None:
+        return None  # videos: let the model run its own tower
+    dtype = model.vision_tower.patch_embed.proj.weight.dtype
+    hidden, deepstack = model.vision_tower(pixel_values.astype(dtype), grid)
+    if any(d.dtype != hidden.dtype or d.shape != hidden.shape for d in deepstack):
+        return None
+    return mx.concatenate([hidden, *deepstack], axis=0)
+
+
+def _qwen3_vl_unpack(model: Any, features: mx.array) -> tuple[mx.array, dict[str, Any]]:
+    # given cached_image_features, Qwen3-VL's get_input_embeddings drops the deepstack rows
+    layers = len(model.config.vision_config.deepstack_visual_indexes)
+    hidden, *deepstack = mx.split(features, layers + 1, axis=0)
+    return hidden, {"deepstack_visual_embeds": deepstack}
 
 
 def _qwen3_5_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -90,7 +116,7 @@ def _gemma4_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) 
     return model.encode_image(pixel_values, kwargs.get("image_position_ids"))
 
 
-_MROPE = Family(prime_positions=True)
+_QWEN3_VL = Family(encoder=_qwen3_vl_encoder, unpack=_qwen3_vl_unpack, prime_positions=True)
 
 # Gemma 4's processor sends mm_token_type_ids (1 on image tokens) with every prompt; the model
 # reads them only for its bidirectional vision overlay, which applies in a one-pass prefill
@@ -100,10 +126,10 @@ _GEMMA4 = Family(encoder=_gemma4_encoder, token_inputs=("mm_token_type_ids", "to
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(encoder=_qwen_encoder, prime_positions=True),
     "qwen2_5_vl": Family(encoder=_qwen_encoder, prime_positions=True),
-    # no encoder: given cached_image_features, their get_input_embeddings drops the deepstack
-    # rows; the full outputs go to every chunk and the LM aligns them with its cache offset
-    "qwen3_vl": _MROPE,
-    "qwen3_vl_moe": _MROPE,
+    # image features cached with their deepstack rows; every embedding output goes to each
+    # chunk in full and the LM aligns visual_pos_masks and deepstack rows with its cache offset
+    "qwen3_vl": _QWEN3_VL,
+    "qwen3_vl_moe": _QWEN3_VL,
     # gated-delta layers too: their restored state is exact at a stored length only
     "qwen3_5": Family(encoder=_qwen3_5_encoder, prime_positions=True),
     "qwen3_5_moe": Family(encoder=_qwen3_5_encoder, prime_positions=True),
@@ -197,6 +223,12 @@ def encode_images(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) ->
     if features is not None:
         mx.eval(features)
     return features
+
+
+def unpack_features(model: Any, features: mx.array) -> tuple[mx.array, dict[str, Any]]:
+    """(the ``cached_image_features`` to pass, outputs to add to ``get_input_embeddings``'s)."""
+    unpack = family(model).unpack
+    return unpack(model, features) if unpack is not None else (features, {})
 
 
 def accepts_cached_features(model: Any) -> bool:
