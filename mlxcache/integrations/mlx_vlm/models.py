@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxcache.integrations.mlx_vlm import features_qwen
 from mlxcache.integrations.resume import unsupported_cache_reason
 
 log = logging.getLogger("mlxcache")
@@ -61,47 +62,6 @@ def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) ->
     return model.vision_tower(pixel_values.astype(dtype), grid, output_hidden_states=False)
 
 
-def _qwen3_vl_encoder(
-    model: Any, pixel_values: mx.array, kwargs: dict[str, Any]
-) -> mx.array | None:
-    # the tower's features and its deepstack rows (one set per deepstack layer), stacked
-    grid = kwargs.get("image_grid_thw")
-    if grid is None or kwargs.get("video_grid_thw") is not None:
-        return None  # videos: let the model run its own tower
-    dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    hidden, deepstack = model.vision_tower(pixel_values.astype(dtype), grid)
-    if any(d.dtype != hidden.dtype or d.shape != hidden.shape for d in deepstack):
-        return None
-    return mx.concatenate([hidden, *deepstack], axis=0)
-
-
-def _qwen3_vl_unpack(model: Any, features: mx.array) -> tuple[mx.array, dict[str, Any]]:
-    # given cached_image_features, Qwen3-VL's get_input_embeddings drops the deepstack rows
-    layers = len(model.config.vision_config.deepstack_visual_indexes)
-    hidden, *deepstack = mx.split(features, layers + 1, axis=0)
-    return hidden, {"deepstack_visual_embeds": deepstack}
-
-
-def _qwen3_5_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
-    # Qwen3.5's get_input_embeddings: the tower's hidden states (it has no deepstack rows)
-    grid = kwargs.get("image_grid_thw")
-    if grid is None:
-        return None  # videos: let the model run its own tower
-    dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    hidden, _ = model.vision_tower(pixel_values.astype(dtype), grid)
-    return hidden
-
-
-def _paddleocr_encoder(
-    model: Any, pixel_values: mx.array, kwargs: dict[str, Any]
-) -> mx.array | None:
-    grid = kwargs.get("image_grid_thw")
-    if grid is None:
-        return None  # videos: let the model run its own tower
-    dtype = model.visual.embeddings.patch_embedding.weight.dtype
-    return model.visual(mx.array(pixel_values, dtype=dtype), grid, output_hidden_states=False)
-
-
 def _gemma3_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array:
     # the dtype of the text embeddings (a quantized embedding's weight is uint32)
     dtype = model.language_model.model.embed_tokens(mx.array([[0]])).dtype
@@ -116,7 +76,12 @@ def _gemma4_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) 
     return model.encode_image(pixel_values, kwargs.get("image_position_ids"))
 
 
-_QWEN3_VL = Family(encoder=_qwen3_vl_encoder, unpack=_qwen3_vl_unpack, prime_positions=True)
+_QWEN3_VL = Family(
+    encoder=features_qwen.qwen3_vl_encoder,
+    unpack=features_qwen.qwen3_vl_unpack,
+    prime_positions=True,
+)
+_QWEN3_5 = Family(encoder=features_qwen.qwen3_5_encoder, prime_positions=True)
 
 # Gemma 4's processor sends mm_token_type_ids (1 on image tokens) with every prompt; the model
 # reads them only for its bidirectional vision overlay, which applies in a one-pass prefill
@@ -131,12 +96,14 @@ FAMILIES: dict[str, Family] = {
     "qwen3_vl": _QWEN3_VL,
     "qwen3_vl_moe": _QWEN3_VL,
     # gated-delta layers too: their restored state is exact at a stored length only
-    "qwen3_5": Family(encoder=_qwen3_5_encoder, prime_positions=True),
-    "qwen3_5_moe": Family(encoder=_qwen3_5_encoder, prime_positions=True),
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5,
     # their LMs take an explicit position_ids as given, and rope_deltas past the first chunk
     "glm4v": Family(encoder=_qwen_encoder, prime_positions=True, slice_positions=True),
     "glm4v_moe": Family(encoder=_qwen_encoder, prime_positions=True, slice_positions=True),
-    "paddleocr_vl": Family(encoder=_paddleocr_encoder, prime_positions=True, slice_positions=True),
+    "paddleocr_vl": Family(
+        encoder=features_qwen.paddleocr_encoder, prime_positions=True, slice_positions=True
+    ),
     "gemma3": Family(encoder=_gemma3_encoder),
     "falcon_ocr": Family(refuse="reads full-prompt masks a suffix prefill cannot carry"),
     "gemma3n": Family(token_inputs=("token_type_ids",)),  # its language model never reads them
