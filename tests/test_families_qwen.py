@@ -4,7 +4,8 @@ per-token image inputs (deepstack rows, visual masks) at a resumed cache offset 
 The matrix (test_families.py) only resumes after an image; here a prompt that ends with its
 image is stored (its last image token runs alone), then the whole prompt resumes at that stored
 length, inside the image; a cached family also resumes a prompt ending in its image at the
-block boundary the image spans. Text-only prompts follow an image prompt, and the families
+block boundary the image spans, and a two-image prompt one inside its second image. Text-only
+prompts follow an image prompt, and the families
 whose positions depend on mlx-vlm's prefill chunks run at two step sizes. Every answer is the
 engine's, bit for bit.
 """
@@ -60,6 +61,26 @@ def test_text_only_prompts_answer_like_the_engine(name, tmp_path):
     got = [harness.check(spec, model, p, None, {}, cache) for p in (ids, ids, ids + ids[:24])]
     assert all(g["exact"] for g in got), got
     assert [g["cached"] for g in got] == [0, harness.PROMPT - 1, harness.PROMPT - 1]
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl", "glm4v"])  # deepstack rows; sliced positions
+def test_two_images_and_a_hit_inside_the_second(name, tmp_path):
+    """Two images (A at 8, B at 60..96): repeat, extension, and the prompt cut after B's last
+    token, whose hit (the block at 96) ends inside B."""
+    import mlx.core as mx
+
+    spec = SPECS[name]
+    model = harness.build(spec)
+    ids = harness.text(spec, 110, 1)
+    (pixels_a, kwargs_a, tokens_a), (pixels_b, kwargs_b, tokens_b) = spec.image(2), spec.image(5)
+    ids[8 : 8 + len(tokens_a)], ids[60 : 60 + len(tokens_b)] = tokens_a, tokens_b
+    pixels = mx.concatenate([pixels_a, pixels_b])
+    grids = mx.concatenate([kwargs_a["image_grid_thw"], kwargs_b["image_grid_thw"]])
+    cache = harness.open_cache(model, f"file://{tmp_path}")
+    prompts = (ids, ids, ids + harness.text(spec, 20, 9), ids[: 60 + len(tokens_b)])
+    got = [harness.check(spec, model, p, pixels, {"image_grid_thw": grids}, cache) for p in prompts]
+    assert all(g["exact"] for g in got), got
+    assert [g["cached"] for g in got] == [0, 109, 109, 96]
 
 
 def _engine(model, ids, pixels, kwargs, step):
