@@ -5,9 +5,8 @@ The matrix (test_families.py) only resumes after an image; here a prompt that en
 image is stored (its last image token runs alone), then the whole prompt resumes at that stored
 length, inside the image; a cached family also resumes a prompt ending in its image at the
 block boundary the image spans, and a two-image prompt one inside its second image. Text-only
-prompts follow an image prompt, and the families
-whose positions depend on mlx-vlm's prefill chunks run at two step sizes. Every answer is the
-engine's, bit for bit.
+prompts follow an image prompt, and the families whose positions depend on mlx-vlm's prefill
+chunks run at two step sizes. Every answer is the engine's, bit for bit.
 """
 
 from __future__ import annotations
