@@ -35,7 +35,7 @@ from mlxcache.integrations.generation import (
     stream_result,
     timed_from,
 )
-from mlxcache.integrations.mlx_vlm import engine, whole
+from mlxcache.integrations.mlx_vlm import engine, positions, whole
 from mlxcache.integrations.mlx_vlm.engine import chunks_prefill
 from mlxcache.integrations.mlx_vlm.models import (
     accepts_cached_features,
@@ -45,6 +45,7 @@ from mlxcache.integrations.mlx_vlm.models import (
     prime_positions,
     static_unsupported_reason,
     tell_once,
+    unpack_features,
 )
 from mlxcache.integrations.resume import log
 
@@ -108,11 +109,12 @@ def _embed(
 ) -> tuple[mx.array, dict[str, Any]]:
     """``get_input_embeddings``: (inputs_embeds, its other non-None outputs by name)."""
     emb_kwargs = dict(kwargs)
+    carried: dict[str, Any] = {}  # outputs the model leaves out given cached features
     if features is not None:
-        emb_kwargs["cached_image_features"] = features
+        emb_kwargs["cached_image_features"], carried = unpack_features(model, features)
     emb = model.get_input_embeddings(ids, pixel_values, mask=mask, **emb_kwargs)
     extra = {k: v for k, v in emb.to_dict().items() if k != "inputs_embeds" and v is not None}
-    return emb.inputs_embeds, extra
+    return emb.inputs_embeds, {**extra, **carried}
 
 
 def prefill(
@@ -169,6 +171,10 @@ def prefill(
     run_kwargs = {**model_kwargs, **extra}
     if "position_ids" not in extra:
         run_kwargs.update(prime_positions(model, ids, mask, model_kwargs))
+    sliced = family(model).slice_positions
+    if sliced:
+        why = positions.engine_positions(run_kwargs, ids.shape[1], prefill_step_size)
+        reason = reason or why
     if reason is None and embeds.shape[1] != len(tokens):
         reason = "get_input_embeddings returned another length than the prompt's ids"
     one_pass = not chunks_prefill(model, ids, embeds, run_kwargs)
@@ -208,7 +214,7 @@ def prefill(
             cache=prompt_cache,
             logits_to_keep=1,
             **chunk,
-            **run_kwargs,
+            **(positions.for_chunk(run_kwargs, s, e) if sliced else run_kwargs),
         )
 
     stored = 0
@@ -231,11 +237,11 @@ def prefill(
     else:
         # every embedding position runs (a prompt whose ids do not map onto its embeddings is
         # uncached, and its runs are then exactly mlx-vlm's chunked prefill from position 0)
-        positions = tokens if len(tokens) == n else list(range(n))
+        keyed = tokens if len(tokens) == n else list(range(n))
         out, stored = resume.finish_prompt(
             run,
             prompt_cache,
-            positions,
+            keyed,
             start,
             cache=cache if use_cache else None,
             step_size=prefill_step_size,

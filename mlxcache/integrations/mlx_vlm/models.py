@@ -18,6 +18,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.integrations.mlx_vlm import family_encoders as enc
+from mlxcache.integrations.mlx_vlm import features_qwen
 from mlxcache.integrations.mlx_vlm.expanded import one_placeholder_expanded
 from mlxcache.integrations.resume import unsupported_cache_reason
 
@@ -25,6 +26,9 @@ log = logging.getLogger("mlxcache")
 
 Encoder = Callable[[Any, mx.array, dict[str, Any]], "mx.array | None"]
 EmbeddingTokens = Callable[[Any, list[int], int], "list[int] | None"]
+# cached features -> (what get_input_embeddings takes as cached_image_features, outputs it then
+# leaves out that the language model still needs)
+Unpack = Callable[[Any, mx.array], "tuple[mx.array, dict[str, Any]]"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,10 @@ class Family:
     ``embedding_tokens``: its ``get_input_embeddings`` can return more positions than
     the prompt has ids (an image placeholder becomes the image's rows); this gives the prompt's
     tokens in embedding positions (or None: not mapped), which key and resume it.
+    ``slice_positions``: its language model uses an explicit ``position_ids`` as given
+    (no slicing at its cache offset), so each chunk gets the engine's positions for its own
+    tokens (``positions.py``). ``unpack``: its encoder stores more than the features its
+    ``get_input_embeddings`` takes back (Qwen3-VL's deepstack rows): how to split them.
     """
 
     refuse: str | None = None
@@ -49,6 +57,8 @@ class Family:
     prime_positions: bool = False
     token_inputs: tuple[str, ...] = ()
     embedding_tokens: EmbeddingTokens | None = None
+    slice_positions: bool = False
+    unpack: Unpack | None = None
 
 
 def _qwen_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) -> mx.array | None:
@@ -73,7 +83,12 @@ def _gemma4_encoder(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) 
     return model.encode_image(pixel_values, kwargs.get("image_position_ids"))
 
 
-_MROPE = Family(prime_positions=True)
+_QWEN3_VL = Family(
+    encoder=features_qwen.qwen3_vl_encoder,
+    unpack=features_qwen.qwen3_vl_unpack,
+    prime_positions=True,
+)
+_QWEN3_5 = Family(encoder=features_qwen.qwen3_5_encoder, prime_positions=True)
 
 # Gemma 4's processor sends mm_token_type_ids (1 on image tokens) with every prompt; the model
 # reads them only for its bidirectional vision overlay, which applies in a one-pass prefill
@@ -83,8 +98,19 @@ _GEMMA4 = Family(encoder=_gemma4_encoder, token_inputs=("mm_token_type_ids", "to
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(encoder=_qwen_encoder, prime_positions=True),
     "qwen2_5_vl": Family(encoder=_qwen_encoder, prime_positions=True),
-    "qwen3_vl": _MROPE,
-    "qwen3_vl_moe": _MROPE,
+    # image features cached with their deepstack rows; every embedding output goes to each
+    # chunk in full and the LM aligns visual_pos_masks and deepstack rows with its cache offset
+    "qwen3_vl": _QWEN3_VL,
+    "qwen3_vl_moe": _QWEN3_VL,
+    # gated-delta layers too: their restored state is exact at a stored length only
+    "qwen3_5": _QWEN3_5,
+    "qwen3_5_moe": _QWEN3_5,
+    # their LMs take an explicit position_ids as given, and rope_deltas past the first chunk
+    "glm4v": Family(encoder=_qwen_encoder, prime_positions=True, slice_positions=True),
+    "glm4v_moe": Family(encoder=_qwen_encoder, prime_positions=True, slice_positions=True),
+    "paddleocr_vl": Family(
+        encoder=features_qwen.paddleocr_encoder, prime_positions=True, slice_positions=True
+    ),
     "gemma3": Family(encoder=_gemma3_encoder),
     "llava": Family(encoder=enc.llava),
     "pixtral": Family(encoder=enc.pixtral),
@@ -183,6 +209,12 @@ def encode_images(model: Any, pixel_values: mx.array, kwargs: dict[str, Any]) ->
     if features is not None:
         mx.eval(features)
     return features
+
+
+def unpack_features(model: Any, features: mx.array) -> tuple[mx.array, dict[str, Any]]:
+    """(the ``cached_image_features`` to pass, outputs to add to ``get_input_embeddings``'s)."""
+    unpack = family(model).unpack
+    return unpack(model, features) if unpack is not None else (features, {})
 
 
 def accepts_cached_features(model: Any) -> bool:
