@@ -11,6 +11,8 @@ before a server or engine is built (``vllm_mlx.cli.main()`` builds them after):
   compatible cache on the backend, images in order in every key (``vision_seam.py``);
 - ``vllm_mlx.models.mllm``'s simple-mode ``chat`` with images runs on an image-aware
   ``PrefixCache`` and its ``MLLMPrefixCacheManager`` is mlxcache's (``simple_vlm.py``);
+- ``vllm_mlx.engine.simple.SimpleEngine``'s text requests (vllm-mlx's default mode) get its
+  prompt cache, as mlxcache's ``SharedPromptCache`` on the backend (``simple_text.py``);
 - responses report ``usage.prompt_tokens_details.cached_tokens`` (``usage.py``) and, on the
   Anthropic Messages API, ``cache_read_input_tokens`` (``anthropic_usage.py``).
 
@@ -26,7 +28,7 @@ from importlib import metadata
 from typing import Any
 
 from mlxcache.backends.base import CacheBackend
-from mlxcache.integrations.vllm_mlx import anthropic_usage, simple_vlm, usage
+from mlxcache.integrations.vllm_mlx import anthropic_usage, simple_text, simple_vlm, usage
 from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, shared_prefix_cache_class
 from mlxcache.uri import open_backend
 
@@ -116,6 +118,7 @@ def install(
     usage.install()
     anthropic_usage.install()
     simple_vlm.install(config)
+    simple_text.install(config)
     _state.update(saved=saved, backend=opened, owns=owns, config=config)
     log.info("mlxcache: vllm-mlx %s prefix caches on %r", version, opened)
     return opened
@@ -130,6 +133,7 @@ def uninstall() -> None:
     usage.uninstall()
     anthropic_usage.uninstall()
     simple_vlm.uninstall()
+    simple_text.uninstall()
     if _state["owns"]:
         try:
             _state["backend"].close()
