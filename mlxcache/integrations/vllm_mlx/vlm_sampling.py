@@ -122,13 +122,15 @@ def stream_generate(
     max_tokens: int,
     temperature: float,
     settings: dict[str, Any],
+    **inputs: Any,
 ) -> Iterator[GenerationStep]:
     """GenerationSteps of one request: the prefix restored from ``cache``, then mlx-vlm's
-    sampling (``settings``: generate_step's keywords) on the logits."""
+    sampling (``settings``: generate_step's keywords) on the logits. ``inputs``
+    (``input_ids``, ``pixel_values``, model inputs) replace the processor's output."""
     from mlxcache.integrations.mlx_vlm import generate as vlm
 
     t0 = time.perf_counter()
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(inputs)
     input_ids, pixel_values, mask = vlm._prepare(model, processor, prompt, images, extra)
     tokenizer = vlm._tokenizer_of(processor)
     eos = vlm._eos_ids(model, tokenizer)
