@@ -71,6 +71,16 @@ class Clients:
         details = usage.prompt_tokens_details
         return usage.prompt_tokens, details.cached_tokens if details is not None else None
 
+    def openai_response(self, text: str, settings: dict, stream: bool) -> tuple[int, int]:
+        """(input_tokens, input_tokens_details.cached_tokens) of the Responses API."""
+        kw = dict(model=self.model, input=text, max_output_tokens=self.max_tokens, **settings)
+        if stream:
+            events = self.openai.responses.create(stream=True, **kw)
+            usage = [e.response.usage for e in events if e.type == "response.completed"][-1]
+        else:
+            usage = self.openai.responses.create(**kw).usage
+        return usage.input_tokens, usage.input_tokens_details.cached_tokens
+
     def anthropic_message(self, turn: list, settings: dict) -> tuple[int, int | None]:
         """(input_tokens + cache reads, cache reads) of a non-streamed message."""
         out = self.anthropic.messages.create(
@@ -92,10 +102,13 @@ class Clients:
         ]
 
 
-def usage_seen(clients: Clients, openai_turn: list, anthropic_turn: list | None) -> dict:
+def usage_seen(
+    clients: Clients, openai_turn: list, anthropic_turn: list | None, responses: str | None = None
+) -> dict:
     """{(api, settings name): (prompt tokens, cached tokens)} for a prompt the OpenAI API has
     already sent (the Messages API's own rendering of it is sent once first, uncounted);
-    ``anthropic_turn`` None: the server has no Messages API."""
+    ``anthropic_turn`` None: the server has no Messages API; ``responses``: the same prompt's
+    text for the Responses API (which renders it as the chat API does)."""
     seen: dict = {}
     if anthropic_turn is not None:
         clients.anthropic_message(anthropic_turn, DEFAULT)
@@ -108,4 +121,7 @@ def usage_seen(clients: Clients, openai_turn: list, anthropic_turn: list | None)
             start, final = clients.anthropic_stream(anthropic_turn, settings)
             seen["anthropic message_start", name] = start
             seen["anthropic stream end", name] = final
+        if responses is not None:
+            seen["responses", name] = clients.openai_response(responses, settings, False)
+            seen["responses stream", name] = clients.openai_response(responses, settings, True)
     return seen

@@ -73,8 +73,8 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     assert prompt_tokens > 128
     # what the openai and anthropic packages see: every API, streamed or not, default
     # sampling or temperature=0.7/top_p=0.9, reports all but the last token as cached
-    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT))
-    assert len(seen) == 10 and all(read == n - 1 for n, read in seen.values()), seen
+    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
+    assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
 
     second = servers(cache, "--continuous-batching")
@@ -102,8 +102,8 @@ def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
     first = servers(cache)
     assert first.chat() == (expected, prompt_tokens, 0)
     assert first.chat() == (expected, prompt_tokens, prompt_tokens - 1)
-    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT))
-    assert len(seen) == 10 and all(read == n - 1 for n, read in seen.values()), seen
+    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
+    assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
     second = servers(cache)
     assert second.chat() == (expected, prompt_tokens, prompt_tokens - 1)
