@@ -57,16 +57,21 @@ def _stream(original: Any) -> Any:
     async def stream(engine: Any, *args: Any, **kwargs: Any) -> AsyncIterator[str]:
         watched = _Watched(engine)
         held: list[str] | None = []  # events before the engine's first output
-        async for event in original(watched, *args, **kwargs):
-            if held is not None and watched.prompt is None:
-                held.append(event)
-                continue
-            if held is not None:
-                for early in held:
-                    yield _with_usage(early, watched.prompt or 0)
-                held = None
-            yield _with_usage(event, watched.prompt or 0)
-        for early in held or []:  # the engine gave nothing (an error event follows)
+        try:
+            async for event in original(watched, *args, **kwargs):
+                if held is not None and watched.prompt is None:
+                    held.append(event)
+                    continue
+                if held is not None:
+                    for early in held:
+                        yield _with_usage(early, watched.prompt or 0)
+                    held = None
+                yield _with_usage(event, watched.prompt or 0)
+        except Exception:
+            for early in held or []:  # the client still gets what was sent before the error
+                yield early
+            raise
+        for early in held or []:  # the engine gave no output: vllm-mlx's events, unchanged
             yield early
 
     return stream
