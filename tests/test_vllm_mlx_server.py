@@ -14,6 +14,8 @@ import subprocess
 import sys
 import urllib.request
 
+import anthropic
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
@@ -107,8 +109,16 @@ def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
     first.kill()
     second = servers(cache)
     assert second.chat() == (expected, prompt_tokens, prompt_tokens - 1)
-    n, read = Clients(second.url, NAME).anthropic_stream(messages(TEXT)[1], {})[0]
+    clients = Clients(second.url, NAME)
+    n, read = clients.anthropic_stream(messages(TEXT)[1], {})[0]
     assert read == n - 1
+    # an unknown model: a 404 naming the served one (vllm-mlx's own check), nothing loads
+    with pytest.raises(openai.NotFoundError) as openai_error:
+        clients.openai.chat.completions.create(model="gpt-4o", messages=[], max_tokens=2)
+    with pytest.raises(anthropic.NotFoundError) as anthropic_error:
+        clients.anthropic.messages.create(model="gpt-4o", messages=[], max_tokens=2)
+    for error in (openai_error.value, anthropic_error.value):
+        assert f"Available model: `{NAME}`" in error.response.text
 
 
 def test_repeat_in_one_process_reuses_the_prompt(servers, reference, tmp_path):
