@@ -16,9 +16,11 @@ import urllib.error
 import urllib.request
 
 import mlx.core as mx
+import openai
 import pytest
 from helpers import wait_until_healthy
 from redis_server import RedisServer, free_port
+from sdk_clients import Clients, usage_seen
 
 from mlxcache.tiny_models import build_tiny_lm
 
@@ -119,13 +121,23 @@ def test_repeat_then_restart_on_file_cache(tiny_lm, servers, tmp_path):
     assert cached == n - 1
     # (b) killed right after answering, restarted on the same folder: warm from the first request
     first.kill()
-    second = servers(tiny_lm, cache)
+    second = servers(tiny_lm, cache, HF_HUB_CACHE=str(tmp_path / "no-hf-cache"))
     warm, n3, cached = second.chat()
     assert (warm, n3) == (cold, n)
     assert cached == n - 1
     assert "hot 0 entries" in second.log()  # a new process: it came from the folder
     # streamed, the usage chunk reports the same
     assert second.stream_chat() == (cold, n, n - 1)
+    # the openai package sees it too, streamed or not, under any sampling settings (mlx-lm's
+    # server has no Anthropic Messages API)
+    clients = Clients(second.url, tiny_lm)
+    seen = usage_seen(clients, CHAT, None)
+    assert len(seen) == 4 and all(read == n - 1 for _, read in seen.values()), seen
+    # what clients call first: the model list (no Hugging Face cache folder here), and an
+    # unknown model is a 404 naming the served one, not a download
+    assert [m.id for m in clients.openai.models.list()] == [os.path.realpath(tiny_lm)]
+    with pytest.raises(openai.NotFoundError, match=re.escape(f"it serves `{tiny_lm}`")):
+        clients.openai.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=2)
     # /metrics: Prometheus text, parsed by prometheus_client's own parser
     from prometheus_client.parser import text_string_to_metric_families
 

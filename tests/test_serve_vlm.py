@@ -6,9 +6,14 @@ Real subprocess servers with the tiny local VLM, real HTTP requests with base64 
 
 from __future__ import annotations
 
+import re
+
+import anthropic
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from vlm_server import VlmServer
+from sdk_clients import Clients, messages, usage_seen
+from vlm_server import QUESTION, VlmServer, image
 
 from mlxcache.tiny_models import build_tiny_vlm
 
@@ -54,6 +59,15 @@ def test_repeat_second_server_and_restart(tiny_vlm, tmp_path):
         first.kill()
         first = VlmServer(tiny_vlm, cache, tmp_path / "restart.log", *BLOCK)
         assert first.chat(["A"]) == (cold, n, n - 1)
+        # both SDKs, streamed or not, default sampling or temperature=0.7/top_p=0.9: each
+        # API's prompt reported cached (all but its last token)
+        clients = Clients(first.url, tiny_vlm)
+        seen = usage_seen(clients, *messages(QUESTION, image("A").split(",", 1)[1]))
+        assert len(seen) == 10 and all(read == m - 1 for m, read in seen.values()), seen
+        with pytest.raises(openai.NotFoundError, match=re.escape(f"it serves `{tiny_vlm}`")):
+            clients.openai.chat.completions.create(model="gpt-4o", messages=[], max_tokens=2)
+        with pytest.raises(anthropic.NotFoundError, match="gpt-4o"):
+            clients.anthropic.messages.create(model="gpt-4o", messages=[], max_tokens=2)
     finally:
         first.kill()
         if second is not None:

@@ -1,5 +1,5 @@
 """The parts of the vllm-mlx seam that need no vllm-mlx: the prompt count that carries cached
-tokens, the version range, the sampling settings the simple-mode takeover reproduces."""
+tokens, the version range."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 import subprocess
 import sys
 
-from mlxcache.integrations.vllm_mlx.simple_vlm import _plain
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
 
 
@@ -41,11 +40,3 @@ def test_a_version_outside_the_tested_range_is_one_line_before_any_model(tmp_pat
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "vllm-mlx 0.7.1 is outside the tested range" in lines[0], run.stderr
-
-
-def test_only_reproducible_sampling_is_taken_over():
-    assert _plain(0.0, {"top_p": 0.9, "top_k": 40, "min_p": 0.0, "repetition_penalty": None})
-    assert _plain(0.7, {"top_p": 1.0, "tools": None})
-    assert not _plain(0.7, {"top_p": 0.9})  # nucleus sampling: mlx-vlm's own path
-    assert not _plain(0.0, {"repetition_penalty": 1.2})
-    assert not _plain(0.0, {"something_new": 1})

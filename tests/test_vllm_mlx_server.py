@@ -14,10 +14,13 @@ import subprocess
 import sys
 import urllib.request
 
+import anthropic
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
-from vllm_servers import Server, require_vllm_python, server_args
+from sdk_clients import Clients, messages, usage_seen
+from vllm_servers import NAME, TEXT, Server, require_vllm_python, server_args
 
 from mlxcache.tiny_models import build_tiny_lm
 
@@ -70,6 +73,10 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     text, prompt_tokens, cached = first.chat()
     assert (text, cached) == (reference, 0)
     assert prompt_tokens > 128
+    # what the openai and anthropic packages see: every API, streamed or not, default
+    # sampling or temperature=0.7/top_p=0.9, reports all but the last token as cached
+    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
+    assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
 
     second = servers(cache, "--continuous-batching")
@@ -79,6 +86,39 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     stats = second.get("/v1/cache/stats")["engine_cache"]
     assert stats["hits"] == 1 and stats["tokens_saved"] == cached
     assert stats["mlxcache"]["hits"] == 1 and stats["mlxcache"]["lookup_errors"] == 0
+    n, read = Clients(second.url, NAME).anthropic_message(messages(TEXT)[1], {})
+    assert read == n - 1  # the Messages API's prompt, stored by the first server
+
+
+def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
+    """vllm-mlx's default mode (no --continuous-batching): text requests reuse the shared
+    tier too, reported to both SDKs, after a restart too; the greedy answer is vllm-mlx's."""
+    ref = Server(server_args(vllm_python, tiny_lm, None, True), tmp_path / "ref.log",
+                 tmp_path / "ref")  # fmt: skip
+    try:
+        expected, prompt_tokens, cached = ref.chat()
+    finally:
+        ref.kill()
+    assert cached is None and prompt_tokens > 128  # vllm-mlx as shipped: nothing reported
+    cache = f"file://{tmp_path / 'cache'}"
+    first = servers(cache)
+    assert first.chat() == (expected, prompt_tokens, 0)
+    assert first.chat() == (expected, prompt_tokens, prompt_tokens - 1)
+    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
+    assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
+    first.kill()
+    second = servers(cache)
+    assert second.chat() == (expected, prompt_tokens, prompt_tokens - 1)
+    clients = Clients(second.url, NAME)
+    n, read = clients.anthropic_stream(messages(TEXT)[1], {})[0]
+    assert read == n - 1
+    # an unknown model: a 404 naming the served one (vllm-mlx's own check), nothing loads
+    with pytest.raises(openai.NotFoundError) as openai_error:
+        clients.openai.chat.completions.create(model="gpt-4o", messages=[], max_tokens=2)
+    with pytest.raises(anthropic.NotFoundError) as anthropic_error:
+        clients.anthropic.messages.create(model="gpt-4o", messages=[], max_tokens=2)
+    for error in (openai_error.value, anthropic_error.value):
+        assert f"Available model: `{NAME}`" in error.response.text
 
 
 def test_repeat_in_one_process_reuses_the_prompt(servers, reference, tmp_path):

@@ -14,7 +14,8 @@ import io
 import numpy as np
 import pytest
 from PIL import Image
-from vllm_servers import Server, require_vllm_python, server_args
+from sdk_clients import Clients, messages, png_b64, usage_seen
+from vllm_servers import NAME, Server, require_vllm_python, server_args
 
 from mlxcache.tiny_models import build_tiny_vlm
 
@@ -85,6 +86,10 @@ def test_simple_mode_reuses_an_image_prompt_and_after_a_restart(vlm_servers, tmp
     assert (text, cached) == (expected, 0)
     text, _, cached = _ask(first, "A")
     assert (text, cached) == (expected, prompt_tokens - 1)
+    # both SDKs, streamed or not, default sampling or temperature=0.7/top_p=0.9: cached
+    turns = messages(QUESTION, png_b64())
+    seen = usage_seen(Clients(first.url, NAME), *turns)
+    assert len(seen) == 10 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
 
     second = vlm_servers(cache)
@@ -92,6 +97,11 @@ def test_simple_mode_reuses_an_image_prompt_and_after_a_restart(vlm_servers, tmp
     assert (text, cached) == (expected, prompt_tokens - 1)
     stats = second.get("/v1/cache/stats")["engine_cache"]["mllm_cache"]
     assert stats["mlxcache"]["hits"] == 1 and stats["tokens_saved"] == prompt_tokens - 1
+    clients = Clients(second.url, NAME)
+    assert clients.openai_stream(turns[0], {"temperature": 0.7, "top_p": 0.9}) == (
+        prompt_tokens,
+        prompt_tokens - 1,
+    )
 
 
 def test_batched_images_in_order(vlm_servers, tmp_path):

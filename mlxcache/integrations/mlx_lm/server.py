@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from queue import Queue
 from typing import Any
 
+from mlxcache.integrations import served_model
 from mlxcache.integrations.server_options import cache_options
 from mlxcache.prefix.model_id import model_identity
 from mlxcache.serializers import kv_quant
@@ -196,8 +197,9 @@ def make_run(options: argparse.Namespace):
         )
         log.info("mlxcache serve: prompt cache %r", prompt_cache)
         generator = _response_generator_class()(model_provider, prompt_cache)
-        kwargs = {"handler_class": _metrics_handler(handler_class or server.APIHandler,
-                                                    prompt_cache)}  # fmt: skip
+        server.scan_cache_dir = served_model.scan_cache_dir  # /v1/models without an HF cache
+        handler = _metrics_handler(handler_class or server.APIHandler, prompt_cache)
+        kwargs = {"handler_class": served_model.http_handler(handler, cli.model)}
         if server_class is not None:
             kwargs["server_class"] = server_class
         try:

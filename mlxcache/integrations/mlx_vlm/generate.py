@@ -16,7 +16,7 @@ bidirectional image tokens) runs in one pass too; only an exact repeat of it is 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import mlx.core as mx
@@ -29,6 +29,7 @@ from mlxcache.integrations.generation import (
     GenerationStep,
     Prefill,
     Sampler,
+    log_softmax,
     make_sampler,
     run_to_end,
     sample_tokens,
@@ -299,13 +300,26 @@ def decode_steps(
     max_tokens: int = 256,
     sampler: Sampler | None = None,
     eos_token_ids: Sequence[int] = (),
+    logits_processors: Sequence[Callable[[mx.array, mx.array], mx.array]] = (),
 ) -> Iterator[tuple[int, mx.array]]:
-    """``decode`` with each token's log-probabilities: (token, (vocab,) logprobs) pairs."""
+    """``decode`` with each token's log-probabilities: (token, (vocab,) logprobs) pairs.
+
+    ``logits_processors`` run on the logits before the log-softmax, as in mlx-vlm's
+    ``generate_step``: they see the prompt's last token, then every sampled one."""
     lm = model.language_model
     kwargs = dict(state.decode_kwargs)
+    history = [int(state.token_ids[-1])] if state.token_ids else []
+
+    def logprobs_of(logits: mx.array) -> mx.array:
+        if logits_processors:
+            seen = mx.array(history)
+            for processor in logits_processors:
+                logits = processor(seen, logits)
+        return log_softmax(logits)
 
     def step(y: mx.array) -> mx.array:
         nonlocal kwargs
+        history.append(cast(int, y.item()))
         out = lm(y.reshape(1, 1), cache=state.prompt_cache, logits_to_keep=1, **kwargs)
         kwargs = _carried_outputs(out)
         return out.logits[:, -1, :]
@@ -318,6 +332,7 @@ def decode_steps(
         max_tokens=max_tokens,
         sampler=sampler or make_sampler(0.0),
         eos_token_ids=eos_token_ids,
+        logprobs_of=logprobs_of,
     )
 
 

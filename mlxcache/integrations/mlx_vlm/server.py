@@ -105,6 +105,13 @@ def _metrics_route(app: Any, installed: Any, backend: CacheBackend) -> None:
     app.router.routes.insert(0, app.router.routes.pop())
 
 
+def _model_check(app: Any, served: str | None) -> None:
+    """Unknown ``model`` names are a 404 naming the served one, before mlx-vlm loads anything."""
+    from mlxcache.integrations import served_model
+
+    app.add_middleware(served_model.ModelCheck, served=served)
+
+
 def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     """Put mlxcache into mlx-vlm's server (see the module docstring); returns the undo."""
     from mlxcache.integrations.mlx_vlm.apc import install
@@ -187,6 +194,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mlx_vlm.server import cli
 
     installed = install_all(options, backend) if backend is not None else None
+    if backend is not None:
+        from mlx_vlm.server import app
+
+        _model_check(app, probe.parse_known_args(rest)[0].model)
     original_argv, original_apc = sys.argv, os.environ.get("APC_ENABLED")
     if installed is not None:
         os.environ["APC_ENABLED"] = "1"  # mlx-vlm's settings read it; PATCH can turn APC off

@@ -11,7 +11,10 @@ before a server or engine is built (``vllm_mlx.cli.main()`` builds them after):
   compatible cache on the backend, images in order in every key (``vision_seam.py``);
 - ``vllm_mlx.models.mllm``'s simple-mode ``chat`` with images runs on an image-aware
   ``PrefixCache`` and its ``MLLMPrefixCacheManager`` is mlxcache's (``simple_vlm.py``);
-- responses report ``usage.prompt_tokens_details.cached_tokens`` (``usage.py``).
+- ``vllm_mlx.engine.simple.SimpleEngine``'s text requests (vllm-mlx's default mode) get its
+  prompt cache, as mlxcache's ``SharedPromptCache`` on the backend (``simple_text.py``);
+- responses report ``usage.prompt_tokens_details.cached_tokens`` (``usage.py``) and, on the
+  Anthropic Messages API, ``cache_read_input_tokens`` (``anthropic_usage.py``).
 
 ``uninstall()`` puts every name back. The seam is read in vllm-mlx 0.6.0's wheel;
 ``check_version()`` refuses any other minor version in one line, before a model loads.
@@ -25,7 +28,7 @@ from importlib import metadata
 from typing import Any
 
 from mlxcache.backends.base import CacheBackend
-from mlxcache.integrations.vllm_mlx import simple_vlm, usage
+from mlxcache.integrations.vllm_mlx import anthropic_usage, simple_text, simple_vlm, usage
 from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, shared_prefix_cache_class
 from mlxcache.uri import open_backend
 
@@ -113,7 +116,9 @@ def install(
         saved.append((module, name, original))
         setattr(module, name, make(original))
     usage.install()
+    anthropic_usage.install()
     simple_vlm.install(config)
+    simple_text.install(config)
     _state.update(saved=saved, backend=opened, owns=owns, config=config)
     log.info("mlxcache: vllm-mlx %s prefix caches on %r", version, opened)
     return opened
@@ -126,7 +131,9 @@ def uninstall() -> None:
     for module, name, original in reversed(_state["saved"]):
         setattr(module, name, original)
     usage.uninstall()
+    anthropic_usage.uninstall()
     simple_vlm.uninstall()
+    simple_text.uninstall()
     if _state["owns"]:
         try:
             _state["backend"].close()

@@ -4,17 +4,17 @@ vllm-mlx 0.6's ``MLXMultimodalLM.chat`` asks its in-memory ``MLLMPrefixCacheMana
 a hit, and then, when the request has images, throws the cached KV away and prefills from
 scratch ("delegating to mlx-vlm"). ``install(config)`` changes two things:
 
-- ``chat`` runs with ``mlx_vlm.generate`` (which it imports at call time) answered by
-  mlxcache's ``cached_generate`` on a ``PrefixCache`` of the installed backend, keyed by
-  model, tokens and images (by content, in order): the longest stored prefix is restored and
-  only the rest is prefilled; greedy answers equal mlx-vlm's uncached ones. Only requests with
-  images and a sampling mlxcache reproduces exactly (greedy, or plain temperature) are taken
-  over; any other goes to mlx-vlm as before;
+- ``chat`` and ``stream_chat`` run with ``mlx_vlm.generate`` / ``mlx_vlm.stream_generate``
+  (imported at call time) answered on a ``PrefixCache`` of the installed backend, keyed by
+  model, tokens and images (by content, in order): the longest stored prefix is restored, only
+  the rest is prefilled, and the tokens are sampled by mlx-vlm's own sampler and logits
+  processors for any sampling settings (``vlm_sampling.py``); greedy answers equal mlx-vlm's
+  uncached ones. Requests without images, or with settings a restored prefix cannot serve
+  (a draft model, audio, KV quantization) go to mlx-vlm as before. The prompt count carries
+  the cached tokens (``usage.PromptCount``), streamed too;
 - ``vllm_mlx.models.mllm.MLLMPrefixCacheManager`` is mlxcache's compatible manager on the
-  backend (model in every key). For a request taken over it answers "miss" and stores
+  backend (model in every key). Inside ``chat``/``stream_chat`` it answers "miss" and stores
   nothing (the ``PrefixCache`` holds the KV), and its stats count the reuse that happened.
-
-``stream_chat`` and ``generate`` keep vllm-mlx's own code, on the shared manager.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import logging
 import threading
 from typing import Any
 
+from mlxcache.integrations.vllm_mlx import vlm_sampling
 from mlxcache.integrations.vllm_mlx.mllm_cache import MLLMPrefixCacheManager
 from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, TIER_FORMAT, TierConfig, identity
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
@@ -34,27 +35,6 @@ log = logging.getLogger("mlxcache")
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mlxcache_vllm_chat", default=False)
 _saved: dict[str, Any] = {}
-# sampling settings that leave mlx-vlm's sampling what mlxcache's sampler does
-_NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "top_p": (None, 1.0), "top_k": (None, 0, -1), "min_p": (None, 0.0),
-    "repetition_penalty": (None, 1.0), "presence_penalty": (None, 0.0),
-    "frequency_penalty": (None, 0.0), "logits_processors": (None, [], ()),
-    "audio": (None, [], ()), "tools": (None, [], ()),
-}  # fmt: skip
-_SAMPLER = {"top_p", "top_k", "min_p"}  # no effect on a greedy (temperature 0) choice
-_IGNORED = {"verbose", "prompt_cache", "skip_prompt_processing", "stop", "chat_template_kwargs"}
-
-
-def _plain(temperature: Any, kwargs: dict[str, Any]) -> bool:
-    """Whether mlxcache's sampler gives exactly what mlx-vlm would for these settings."""
-    if not isinstance(temperature, int | float) or temperature < 0:
-        return False
-    for k, v in kwargs.items():
-        if k in _IGNORED or (k in _SAMPLER and temperature == 0):
-            continue
-        if k not in _NEUTRAL or not any(v == ok for ok in _NEUTRAL[k]):
-            return False
-    return True
 
 
 class _Prefixes:
@@ -91,21 +71,35 @@ class _Prefixes:
                 self.counts[k] += v
 
 
+def _settings(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k not in ("max_tokens", "temperature")}
+
+
+def _taken(image: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+    """Whether a generate call inside ``chat``/``stream_chat`` runs on the ``PrefixCache``:
+    it has images and settings a restored prefix serves exactly (any sampling)."""
+    if not _active.get() or not image or args:
+        return False
+    bad = vlm_sampling.unsupported(kwargs.get("temperature", 0.0), _settings(kwargs))
+    if bad:
+        log.info("vllm-mlx simple VLM: %s not reproduced from a cached prefix: mlx-vlm's own "
+                 "path, uncached", bad)  # fmt: skip
+    return not bad
+
+
 def _generate(original: Any, prefixes: _Prefixes) -> Any:
     """``mlx_vlm.generate`` that, inside a taken-over ``chat``, runs on the ``PrefixCache``."""
 
     def generate(model: Any, processor: Any, prompt: Any = None, image: Any = None, *args: Any,
                  **kwargs: Any) -> Any:  # fmt: skip
-        if not _active.get() or not image or args:
+        if not _taken(image, args, kwargs):
             return original(model, processor, prompt, image, *args, **kwargs)
-        from mlxcache.integrations.mlx_vlm import cached_generate
-
-        temperature = kwargs.get("temperature", 0.0)
         try:
             pc = prefixes.of(model)
-            out = cached_generate(model, processor, prompt, image, cache=pc,
-                                  max_tokens=kwargs.get("max_tokens", 256),
-                                  temperature=temperature)  # fmt: skip
+            out = vlm_sampling.generate(model, processor, prompt, image, cache=pc,
+                                        max_tokens=kwargs.get("max_tokens", 256),
+                                        temperature=kwargs.get("temperature", 0.0),
+                                        settings=_settings(kwargs))  # fmt: skip
         except Exception as e:  # mlxcache cannot run it: mlx-vlm does, uncached
             log.warning("vllm-mlx simple VLM: cached generation failed, running uncached: %s", e)
             prefixes.count(errors=1)
@@ -114,10 +108,51 @@ def _generate(original: Any, prefixes: _Prefixes) -> Any:
         cached = int(getattr(out, "cached_tokens", 0) or 0)
         prefixes.count(requests=1, hits=int(cached > 0), tokens_reused=cached)
         out.prompt_tokens = PromptCount(out.prompt_tokens, cached)
-        out.generation_tokens = len(getattr(out, "tokens", []) or [])  # type: ignore[attr-defined]
+        out.generation_tokens = len(getattr(out, "tokens", []) or [])
         return out
 
     return generate
+
+
+class _Chunk:
+    """One streamed chunk as vllm-mlx reads mlx-vlm's: ``text`` and ``prompt_tokens``."""
+
+    def __init__(self, text: str, prompt_tokens: int, token: int) -> None:
+        self.text, self.prompt_tokens, self.token = text, prompt_tokens, token
+
+
+def _stream_generate(original: Any, prefixes: _Prefixes) -> Any:
+    """``mlx_vlm.stream_generate`` that, inside a taken-over ``stream_chat``, runs on the
+    ``PrefixCache`` (a failure before the first token runs mlx-vlm's own, uncached)."""
+
+    def stream_generate(model: Any, processor: Any, prompt: Any = None, image: Any = None,
+                        *args: Any, **kwargs: Any) -> Any:  # fmt: skip
+        if not _taken(image, args, kwargs):
+            yield from original(model, processor, prompt, image, *args, **kwargs)
+            return
+        try:
+            steps = vlm_sampling.stream_generate(
+                model, processor, prompt, image, cache=prefixes.of(model),
+                max_tokens=kwargs.get("max_tokens", 256),
+                temperature=kwargs.get("temperature", 0.0), settings=_settings(kwargs),
+            )  # fmt: skip
+            first = next(steps, None)
+        except Exception as e:
+            log.warning("vllm-mlx simple VLM: cached generation failed, running uncached: %s", e)
+            prefixes.count(errors=1)
+            ERRORS.add("lookup")
+            yield from original(model, processor, prompt, image, *args, **kwargs)
+            return
+        if first is None:
+            return
+        cached = first.result.cached_tokens
+        prefixes.count(requests=1, hits=int(cached > 0), tokens_reused=cached)
+        prompt_tokens = PromptCount(first.result.prompt_tokens, cached)
+        yield _Chunk(first.text, prompt_tokens, first.token)
+        for step in steps:
+            yield _Chunk(step.text, prompt_tokens, step.token)
+
+    return stream_generate
 
 
 def manager_class(config: TierConfig, prefixes: _Prefixes) -> type:
@@ -141,10 +176,20 @@ def manager_class(config: TierConfig, prefixes: _Prefixes) -> type:
                 return None, 0
             return super().fetch(*args, **kwargs)
 
+        def fetch_cache(self, *args: Any, **kwargs: Any) -> Any:
+            if _active.get():
+                return None, False
+            return super().fetch_cache(*args, **kwargs)
+
         def store(self, *args: Any, **kwargs: Any) -> Any:
             if _active.get():
                 return None
             return super().store(*args, **kwargs)
+
+        def store_cache(self, *args: Any, **kwargs: Any) -> Any:
+            if _active.get():
+                return None
+            return super().store_cache(*args, **kwargs)
 
         def get_stats(self) -> dict[str, Any]:
             out = super().get_stats()
@@ -160,31 +205,56 @@ def manager_class(config: TierConfig, prefixes: _Prefixes) -> type:
     return SharedMLLMPrefixCacheManager
 
 
+def _chat(chat: Any) -> Any:
+    """``MLXMultimodalLM.chat`` with its ``mlx_vlm.generate`` call on the ``PrefixCache``."""
+
+    def cached_chat(self: Any, messages: list[dict], max_tokens: int = 256,
+                    temperature: float = 0.7, **kwargs: Any) -> Any:  # fmt: skip
+        token = _active.set(True)
+        try:
+            return chat(self, messages, max_tokens, temperature, **kwargs)
+        finally:
+            _active.reset(token)
+
+    return cached_chat
+
+
+def _stream_chat(stream_chat: Any) -> Any:
+    """``MLXMultimodalLM.stream_chat`` with its ``mlx_vlm.stream_generate`` on the cache (the
+    flag is set around each step: the generator's body runs inside ``next``)."""
+
+    def cached_stream_chat(self: Any, messages: list[dict], max_tokens: int = 256,
+                           temperature: float = 0.7, **kwargs: Any) -> Any:  # fmt: skip
+        chunks = stream_chat(self, messages, max_tokens, temperature, **kwargs)
+        while True:
+            token = _active.set(True)
+            try:
+                chunk = next(chunks)
+            except StopIteration:
+                return
+            finally:
+                _active.reset(token)
+            yield chunk
+
+    return cached_stream_chat
+
+
 def install(config: TierConfig) -> None:
-    """Take over simple-mode ``chat`` requests with images (``uninstall()`` undoes it)."""
+    """Take over simple-mode ``chat`` and ``stream_chat`` requests with images
+    (``uninstall()`` undoes it)."""
     if _saved:
         return
     import mlx_vlm
     from vllm_mlx.models import mllm
 
     prefixes = _Prefixes(config)
-    chat = mllm.MLXMultimodalLM.chat
-    _saved.update(generate=mlx_vlm.generate, chat=chat, manager=mllm.MLLMPrefixCacheManager)
-
-    def cached_chat(self: Any, messages: list[dict], max_tokens: int = 256,
-                    temperature: float = 0.7, **kwargs: Any) -> Any:  # fmt: skip
-        plain = _plain(temperature, kwargs)
-        if not plain:
-            log.info("vllm-mlx simple VLM: settings %s not reproduced: vllm-mlx's own path",
-                     {k: v for k, v in kwargs.items() if k not in _IGNORED})  # fmt: skip
-        token = _active.set(plain)
-        try:
-            return chat(self, messages, max_tokens, temperature, **kwargs)
-        finally:
-            _active.reset(token)
-
+    _saved.update(generate=mlx_vlm.generate, stream_generate=mlx_vlm.stream_generate,
+                  chat=mllm.MLXMultimodalLM.chat, stream_chat=mllm.MLXMultimodalLM.stream_chat,
+                  manager=mllm.MLLMPrefixCacheManager)  # fmt: skip
     mlx_vlm.generate = _generate(mlx_vlm.generate, prefixes)
-    mllm.MLXMultimodalLM.chat = cached_chat
+    mlx_vlm.stream_generate = _stream_generate(mlx_vlm.stream_generate, prefixes)
+    mllm.MLXMultimodalLM.chat = _chat(_saved["chat"])
+    mllm.MLXMultimodalLM.stream_chat = _stream_chat(_saved["stream_chat"])
     mllm.MLLMPrefixCacheManager = manager_class(config, prefixes)
 
 
@@ -196,6 +266,8 @@ def uninstall() -> None:
     from vllm_mlx.models import mllm
 
     mlx_vlm.generate = _saved["generate"]
+    mlx_vlm.stream_generate = _saved["stream_generate"]
     mllm.MLXMultimodalLM.chat = _saved["chat"]
+    mllm.MLXMultimodalLM.stream_chat = _saved["stream_chat"]
     mllm.MLLMPrefixCacheManager = _saved["manager"]
     _saved.clear()

@@ -6,7 +6,8 @@ but its ``Usage`` has no field for it, and the count would have to cross the sch
 ``RequestOutput``, the engine's ``GenerationOutput`` and the server's handlers, which copy
 ``prompt_tokens`` from one to the next. So the count rides on ``prompt_tokens`` itself: an
 ``int`` that also carries ``cached_tokens`` (``PromptCount``, equal to the plain number in
-every computation), and ``Usage`` gains an optional ``prompt_tokens_details`` it fills from it.
+every computation), and ``Usage`` gains an optional ``prompt_tokens_details`` it fills from it
+(the Responses API's ``usage.input_tokens_details.cached_tokens`` likewise).
 A sum of counts (``/v1/completions`` adds up its choices) keeps the sum of cached tokens.
 """
 
@@ -77,6 +78,24 @@ def install() -> None:
 
     usage.__init__ = __init__
     _rebuild(models, usage, BaseModel)
+    _saved["responses_init"] = _responses_install()
+
+
+def _responses_install() -> Any:
+    """The Responses API's ``usage.input_tokens_details.cached_tokens``, from the count."""
+    from vllm_mlx.api.responses_models import ResponsesInputTokenDetails, ResponsesUsage
+
+    saved = ResponsesUsage.__dict__.get("__init__")
+    original_init = ResponsesUsage.__init__
+
+    def __init__(self: Any, /, **data: Any) -> None:  # noqa: N807 - the model's own __init__
+        cached = getattr(data.get("input_tokens"), "cached_tokens", None)
+        if cached is not None and data.get("input_tokens_details") is None:
+            data["input_tokens_details"] = ResponsesInputTokenDetails(cached_tokens=int(cached))
+        original_init(self, **data)
+
+    ResponsesUsage.__init__ = __init__
+    return saved
 
 
 def _rebuild(models: Any, usage: Any, base: type) -> None:
@@ -98,6 +117,12 @@ def uninstall() -> None:
     from vllm_mlx.request import Request
 
     Request.num_prompt_tokens = _saved["request_count"]
+    from vllm_mlx.api.responses_models import ResponsesUsage
+
+    if _saved["responses_init"] is None:
+        del ResponsesUsage.__init__
+    else:
+        ResponsesUsage.__init__ = _saved["responses_init"]
     usage = models.Usage
     if _saved["usage_init"] is None:
         del usage.__init__

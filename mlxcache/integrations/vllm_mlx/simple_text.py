@@ -1,0 +1,174 @@
+"""vllm-mlx's default mode for text (no ``--continuous-batching``, no ``--mllm``) on the tier.
+
+vllm-mlx 0.6's ``SimpleEngine`` has an opt-in prompt cache for text: ``--prefix-trie-cache``
+puts mlx-lm's ``LRUPromptCache`` under its cache-aware ``stream_chat`` branch (which samples
+with mlx-lm's ``make_sampler(temperature, top_p)`` on the restored cache). ``install(config)``:
+
+- turns that cache on, as mlxcache's ``SharedPromptCache`` (the mlx-lm integration's hot LRU
+  over a ``PrefixCache`` on the installed backend, stored before the response ends), so a
+  repeat, a second server or a restarted one skips the prefill of what was computed;
+- sends non-streamed text ``chat`` through ``stream_chat`` (vllm-mlx already does so for
+  requests with tools or logits processors), so both reach the cache;
+- reports the reused tokens in the prompt count (``usage.PromptCount``): OpenAI's
+  ``cached_tokens`` and Anthropic's ``cache_read_input_tokens``.
+
+vllm-mlx itself keeps a request off that branch when it has ``stop``, ``top_k``, ``min_p``,
+presence or repetition penalties, logits processors, ``--max-kv-size``, MTP or SpecPrefill:
+those run uncached and report 0 cached tokens. The engine runs one request at a time, which
+is what lets the count of the request being answered be kept on the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, identity
+from mlxcache.integrations.vllm_mlx.usage import PromptCount
+
+log = logging.getLogger("mlxcache")
+
+_saved: dict[str, Any] = {}
+
+
+def _trie_class(config: TierConfig) -> type:
+    """``SharedPromptCache`` keyed by the model's identity: vllm-mlx passes the model object,
+    which (an ``nn.Module``, a dict) cannot key mlx-lm's trie, so its own cache never hits."""
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
+
+    names: dict[int, tuple[Any, str]] = {}
+
+    def name(model: Any) -> str:
+        if id(model) not in names:  # the model is kept so its id is never reused
+            names[id(model)] = (model, identity(model, config, revision="simple-text"))
+        return names[id(model)][1]
+
+    class ModelNamedPromptCache(SharedPromptCache):
+        def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> Any:
+            return super().fetch_nearest_cache(name(model), tokens)
+
+        def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any,
+                         **kwargs: Any) -> Any:  # fmt: skip
+            return super().insert_cache(name(model), tokens, prompt_cache, **kwargs)
+
+    return ModelNamedPromptCache
+
+
+def _shared_trie(config: TierConfig) -> Any:
+    """``SimpleEngine._ensure_prefix_trie_cache`` building mlxcache's ``SharedPromptCache``."""
+    original = _saved["ensure"]
+
+    def ensure(self: Any) -> Any:
+        if self._is_mllm:
+            return original(self)
+        with self._prefix_trie_cache_lock:
+            if self._prefix_trie_cache is None:
+                mb = self._prefix_trie_cache_memory_mb
+                self._prefix_trie_cache = _trie_class(config)(
+                    self._prefix_trie_cache_size,
+                    mb * 1024 * 1024 if mb is not None else 1 << 63,
+                    backend=config.backend,
+                    identity=str,  # the key already is the identity
+                    block_size=config.block_size,
+                    salt=config.salt,
+                    background=False,  # stored before the response ends
+                )
+        return self._prefix_trie_cache
+
+    return ensure
+
+
+def _counted_fetch(fetch: Any) -> Any:
+    """``_fetch_prefix_trie_cache`` that keeps the tokens it reused on the engine."""
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = fetch(self, *args, **kwargs)
+        self._mlxcache_reused = (getattr(self, "_mlxcache_reused", (0, 0))[0] + 1, out[2])
+        return out
+
+    return counted
+
+
+def _reported(stream_chat: Any) -> Any:
+    """``SimpleEngine._stream_chat_impl`` whose text outputs carry the reused tokens."""
+
+    async def stream(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._is_mllm:
+            async for output in stream_chat(self, *args, **kwargs):
+                yield output
+            return
+        before = getattr(self, "_mlxcache_reused", (0, 0))[0]
+        cached: int | None = None
+        async for output in stream_chat(self, *args, **kwargs):
+            n = getattr(output, "prompt_tokens", 0)
+            if n and not hasattr(n, "cached_tokens"):
+                if cached is None:  # this request's lookup ran before its first output
+                    fetches, reused = getattr(self, "_mlxcache_reused", (0, 0))
+                    cached = reused if fetches > before else 0
+                output.prompt_tokens = PromptCount(n, cached)
+            yield output
+
+    return stream
+
+
+def _chat_via_stream(chat: Any) -> Any:
+    """``SimpleEngine.chat`` for text through ``stream_chat`` (vllm-mlx's own aggregation)."""
+
+    async def cached_chat(self: Any, messages: list, *args: Any, **kwargs: Any) -> Any:
+        if self._is_mllm or kwargs.get("tools") or kwargs.get("logits_processors"):
+            return await chat(self, messages, *args, **kwargs)  # media, or already streamed
+        from vllm_mlx.api.utils import clean_output_text
+        from vllm_mlx.engine.base import GenerationOutput
+
+        final = GenerationOutput(text="")
+        async for output in self.stream_chat(messages, *args, **kwargs):
+            final = output
+        return GenerationOutput(
+            text=clean_output_text(final.text),
+            tokens=list(final.tokens),
+            prompt_tokens=final.prompt_tokens,
+            completion_tokens=final.completion_tokens,
+            finish_reason=final.finish_reason,
+        )
+
+    return cached_chat
+
+
+def install(config: TierConfig) -> None:
+    """Put simple-mode text requests on the shared tier (``uninstall()`` undoes it)."""
+    if _saved:
+        return
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    _saved.update(
+        init=SimpleEngine.__init__,
+        ensure=SimpleEngine._ensure_prefix_trie_cache,
+        fetch=SimpleEngine._fetch_prefix_trie_cache,
+        stream=SimpleEngine._stream_chat_impl,
+        chat=SimpleEngine.chat,
+    )
+    init = _saved["init"]
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        init(self, *args, **kwargs)
+        self._prefix_trie_cache_enabled = True
+
+    SimpleEngine.__init__ = __init__
+    SimpleEngine._ensure_prefix_trie_cache = _shared_trie(config)
+    SimpleEngine._fetch_prefix_trie_cache = _counted_fetch(_saved["fetch"])
+    SimpleEngine._stream_chat_impl = _reported(_saved["stream"])
+    SimpleEngine.chat = _chat_via_stream(_saved["chat"])
+
+
+def uninstall() -> None:
+    """Undo ``install()``."""
+    if not _saved:
+        return
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    SimpleEngine.__init__ = _saved["init"]
+    SimpleEngine._ensure_prefix_trie_cache = _saved["ensure"]
+    SimpleEngine._fetch_prefix_trie_cache = _saved["fetch"]
+    SimpleEngine._stream_chat_impl = _saved["stream"]
+    SimpleEngine.chat = _saved["chat"]
+    _saved.clear()
