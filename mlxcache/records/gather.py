@@ -42,16 +42,23 @@ _HEAD = '{"__metadata__":'
 _FIRST_READ = 16 << 10  # a block record's header is a few KiB: one pread gets it all
 
 
-@dataclass(frozen=True)
 class Shape:
-    """What a placed tensor is, without its data: enough for a record's shape checks."""
+    """What a placed tensor is, without its data: enough for a record's shape checks (plain
+    attributes: the checks read them for every tensor of every block)."""
 
-    shape: tuple[int, ...]
-    dtype: Any
+    __slots__ = ("shape", "dtype", "ndim")
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shape) and (self.shape, self.dtype) == (other.shape, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Shape({self.shape!r}, {self.dtype!r})"
 
 
 @dataclass(frozen=True)
