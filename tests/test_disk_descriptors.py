@@ -115,3 +115,19 @@ def test_descriptors_are_bounded_and_never_closed_under_a_reader(tmp_path):
     assert len(fds) == 2  # the oldest idle one closed
     fds.clear()
     assert len(fds) == 0
+
+
+def test_a_dropped_backend_closes_its_descriptors(tmp_path):
+    w, r = pair(tmp_path)
+    w.store(TOKENS, kv_cache(N))
+    r.lookup(TOKENS)
+    fds = [fd for fd, _ in r.backend._fds._open.values()]
+    assert fds
+    w.close()
+    del r  # never closed
+    import gc
+
+    gc.collect()
+    for fd in fds:
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
@@ -32,6 +33,8 @@ class Descriptors:
         self._doomed: dict[int, int] = {}  # fd -> users, forgotten while in use
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        # a backend dropped without close(): its descriptors are closed with it
+        weakref.finalize(self, _close_all, self._open, self._pid)
 
     @contextlib.contextmanager
     def borrow(self, name: str, path: os.PathLike | str) -> Iterator[int]:
@@ -125,3 +128,12 @@ class Descriptors:
             self._open.clear()
             self._doomed.clear()
             self._pid = os.getpid()
+
+
+def _close_all(kept: OrderedDict[str, list[int]], pid: int) -> None:
+    if os.getpid() != pid:
+        return
+    for fd, _ in kept.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    kept.clear()
