@@ -302,3 +302,19 @@ def test_hot_probe_false_asks_the_backend_only_when_the_hot_tier_has_nothing():
     assert rest == [7] and rows(cache) == [float(t) for t in turn2]
     for c in (a, b, fresh):
         c.close()
+
+
+def test_another_workers_prompt_is_fetched_with_one_probe():
+    backend = _GatedBackend()
+    backend.gate.set()
+    a = SharedPromptCache(backend=backend)
+    prompt = list(range(1, 60))
+    a.insert_cache(MODEL, prompt, kv(prompt))
+    assert a.flush(60)
+    fresh = SharedPromptCache(backend=backend)
+    probes = backend.probes
+    hit, rest = fresh.fetch_nearest_cache(MODEL, prompt + [7])
+    assert rest == [7] and rows(hit) == [float(t) for t in prompt]
+    assert backend.probes == probes + 1  # the lookup's own contains_many, no longest() first
+    a.close()
+    fresh.close()

@@ -19,6 +19,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import mlx.core as mx
@@ -31,23 +32,33 @@ from mlxcache.records import format as st
 from mlxcache.records import meta as meta_codec
 from mlxcache.records.signing import Signer
 
-GROUP_BYTES = 512 << 10  # bytes read by one preadv, then hashed while they are in L2
+# bytes read by one preadv, then hashed while they are in the last-level cache: a block record
+# (7 MiB for Qwen2-VL-2B's 256 tokens) in one call, so a reader thread gives up and takes
+# back the GIL once a record instead of once every 512 KiB (docs/performance.md, issue 28)
+GROUP_BYTES = 8 << 20
 _IOV_MAX = 1024
 _DECODER = json.JSONDecoder()
 _HEAD = '{"__metadata__":'
 _FIRST_READ = 16 << 10  # a block record's header is a few KiB: one pread gets it all
 
 
-@dataclass(frozen=True)
 class Shape:
-    """What a placed tensor is, without its data: enough for a record's shape checks."""
+    """What a placed tensor is, without its data: enough for a record's shape checks (plain
+    attributes: the checks read them for every tensor of every block)."""
 
-    shape: tuple[int, ...]
-    dtype: Any
+    __slots__ = ("shape", "dtype", "ndim")
 
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
+    def __init__(self, shape: tuple[int, ...], dtype: Any) -> None:
+        self.shape, self.dtype, self.ndim = shape, dtype, len(shape)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Shape) and (self.shape, self.dtype) == (other.shape, other.dtype)
+
+    def __hash__(self) -> int:
+        return hash((self.shape, self.dtype))
+
+    def __repr__(self) -> str:
+        return f"Shape({self.shape!r}, {self.dtype!r})"
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,12 @@ class Joined:
         self._views: dict[str, memoryview] = {}
         self._final: dict[str, mx.array] = {}
         self._lock = threading.Lock()
+        # per tensor table already checked (by identity: Tables hands out one tuple a table):
+        # each tensor's (view, bytes of one row, count of leading rows) in file order
+        self._plans: dict[int, tuple[Sequence[st.TensorInfo], list[tuple[memoryview, int, int]]]]
+        self._plans = {}
+        self._cuts: dict[tuple[int, int], Any] = {}  # by (table, rows): see _cut_plan
+        self._shapes: dict[int, tuple[Sequence[st.TensorInfo], Mapping[str, Shape]]] = {}
 
     def prepare(self, tensors: Sequence[st.TensorInfo]) -> None:
         """Allocate the final arrays from the first record's table (once; not filled)."""
@@ -110,24 +127,69 @@ class Joined:
 
     def segments(self, index: int, tensors: Sequence[st.TensorInfo]) -> list[list[memoryview]]:
         """For each tensor of record ``index`` (file order), the views its bytes go to, in order."""
-        if self.table is None:
-            raise RuntimeError("Joined.prepare() first")
-        if {t.name for t in tensors} != set(self.table):
-            raise NotJoinable("record tensors differ from the first record's")
-        rows, start, out = self.rows[index], self.starts[index], []
-        for t in tensors:
-            dtype, shape = self.table[t.name]
-            if t.dtype != dtype or t.shape != shape[:-2] + (rows,) + shape[-1:]:
-                raise NotJoinable(f"tensor {t.name!r:.80} has another shape or dtype")
-            row = _itemsize(dtype) * shape[-1]  # bytes of one row of axis -2
-            outer = math.prod(shape[:-2])
-            view, span = self._views[t.name], row * rows
+        rows, start = self.rows[index], self.starts[index]
+        out = []
+        for view, row, outer in self._plan(tensors, rows):
+            span = row * rows
             out.append(
                 [view[(o * self.total + start) * row :][:span] for o in range(outer)]
                 if span
                 else []
             )
         return out
+
+    def cut(self, index: int, tensors: Sequence[st.TensorInfo]) -> _Cut:
+        """Record ``index``'s destination views in file order, cut into hashed pieces and
+        read groups (the cut is worked out once per table and row count, then only offset)."""
+        rows, start = self.rows[index], self.starts[index]
+        plan = self._plan(tensors, rows)
+        key = (id(tensors), rows)
+        got = self._cuts.get(key)
+        if got is None:
+            got = _cut_plan(plan, rows, self.total)
+            with self._lock:
+                self._cuts[key] = got
+        spec, bounds, groups = got
+        views = [v[c + start * r : c + start * r + n] for v, c, n, r in spec]
+        return _Cut(views, bounds, groups)
+
+    def _plan(
+        self, tensors: Sequence[st.TensorInfo], rows: int
+    ) -> list[tuple[memoryview, int, int]]:
+        """Each tensor's (view, row bytes, leading rows), its table checked against the join's
+        once per table (the shapes' row axis is checked for every record: ``rows`` differ)."""
+        if self.table is None:
+            raise RuntimeError("Joined.prepare() first")
+        got = self._plans.get(id(tensors))
+        if got is None or got[0] is not tensors:
+            if {t.name for t in tensors} != set(self.table):
+                raise NotJoinable("record tensors differ from the first record's")
+            plan = []
+            for t in tensors:
+                dtype, shape = self.table[t.name]
+                if t.dtype != dtype or len(t.shape) != len(shape) or t.shape[:-2] != shape[:-2]:
+                    raise NotJoinable(f"tensor {t.name!r:.80} has another shape or dtype")
+                if t.shape[-1] != shape[-1]:
+                    raise NotJoinable(f"tensor {t.name!r:.80} has another shape or dtype")
+                row = _itemsize(dtype) * shape[-1]  # bytes of one row of axis -2
+                plan.append((self._views[t.name], row, math.prod(shape[:-2])))
+            got = (tensors, plan)
+            with self._lock:
+                self._plans[id(tensors)] = got
+        if any(t.shape[-2] != rows for t in tensors):
+            bad = next(t for t in tensors if t.shape[-2] != rows)
+            raise NotJoinable(f"tensor {bad.name!r:.80} has another shape or dtype")
+        return got[1]
+
+    def shapes(self, tensors: Sequence[st.TensorInfo]) -> Mapping[str, Shape]:
+        """The :class:`Shape` of each tensor (one read-only map per table, shared by records)."""
+        got = self._shapes.get(id(tensors))
+        if got is None or got[0] is not tensors:
+            shapes = {t.name: Shape(t.shape, st._BY_NAME[t.dtype][0]) for t in tensors}
+            got = (tensors, MappingProxyType(shapes))
+            with self._lock:
+                self._shapes[id(tensors)] = got
+        return got[1]
 
     def arrays(self, upto: int) -> dict[str, mx.array]:
         """The joined arrays of the first ``upto`` records (the arrays themselves when all of
@@ -144,6 +206,55 @@ class Joined:
     def release(self) -> None:
         """Drop our writable views (after the reads; the arrays stay valid)."""
         self._views = {}
+        self._plans = {}
+        self._cuts = {}
+
+
+@dataclass(frozen=True)
+class _Cut:
+    """One record's destination: ``views`` in file order; piece ``i`` is
+    ``views[bounds[i]:bounds[i + 1]]``; each group ``(first piece, end piece, bytes)`` is
+    read by one ``preadv`` and then hashed."""
+
+    views: list[memoryview]
+    bounds: list[int]
+    groups: list[tuple[int, int, int]]
+
+    def piece(self, i: int) -> list[memoryview]:
+        return self.views[self.bounds[i] : self.bounds[i + 1]]
+
+
+def _cut_plan(
+    plan: list[tuple[memoryview, int, int]], rows: int, total: int
+) -> tuple[list[tuple[memoryview, int, int, int]], list[int], list[tuple[int, int, int]]]:
+    """For records of ``rows`` rows: each part's (tensor view, offset at row 0, length, row
+    bytes), the piece bounds over the parts, and the read groups (see :class:`_Cut`)."""
+    spec: list[tuple[memoryview, int, int, int]] = []
+    bounds, sizes = [0], []
+    for view, row, outer in plan:  # each tensor cut every PIECE bytes, as digests.pieces
+        span, size = row * rows, 0
+        for o in range(outer):
+            lo = 0
+            while lo < span:
+                take = min(span - lo, digests.PIECE - size)
+                spec.append((view, o * total * row + lo, take, row))
+                lo, size = lo + take, size + take
+                if size == digests.PIECE:
+                    bounds.append(len(spec))
+                    sizes.append(size)
+                    size = 0
+        if size:
+            bounds.append(len(spec))
+            sizes.append(size)
+    groups, i = [], 0
+    while i < len(sizes):
+        j, size = i, 0
+        while j < len(sizes) and (size < GROUP_BYTES or j == i):
+            size += sizes[j]
+            j += 1
+        groups.append((i, j, size))
+        i = j
+    return spec, bounds, groups
 
 
 def _itemsize(dtype: str) -> int:
@@ -217,11 +328,17 @@ def _info_of(raw: bytes) -> Any:
         return None
 
 
-def prepare(path: str | os.PathLike, target: Joined, tables: Tables) -> None:
+def prepare(
+    path: str | os.PathLike, target: Joined, tables: Tables, *, fd: int | None = None
+) -> None:
     """Size ``target`` from the header of record file ``path`` (on the thread that will use
-    the arrays: MLX allocates them there); its data is read later, by :func:`read_into`."""
-    with open(path, "rb", buffering=0) as f:
-        target.prepare(tables.header(f.fileno())[0].tensors)
+    the arrays: MLX allocates them there); its data is read later, by :func:`read_into`.
+    ``fd``, if given, is ``path`` already open."""
+    if fd is None:
+        with open(path, "rb", buffering=0) as f:
+            return prepare(path, target, tables, fd=f.fileno())
+    target.prepare(tables.header(fd)[0].tensors)
+    return None
 
 
 def read_into(
@@ -232,26 +349,33 @@ def read_into(
     *,
     key: str | None = None,
     signer: Signer | None = None,
+    fd: int | None = None,
 ) -> Placed:
     """Read record file ``path`` into its rows of ``target`` (record ``index``), verified.
+
+    ``fd``, if given, is ``path`` already open (a descriptor the caller keeps; read with
+    ``pread``, its offset untouched), else the file is opened and closed here.
 
     A file that cannot be opened or read raises OSError; anything wrong in it (its checksum
     or MAC) a FormatError or UntrustedRecordError; a well-formed record whose tensors do not
     fit the join NotJoinable, before anything is written.
     """
-    with open(path, "rb", buffering=0) as f:
-        fd = f.fileno()
-        header, packed = tables.header(fd)
-        target.prepare(header.tensors)
+    if fd is None:
+        with open(path, "rb", buffering=0) as f:
+            return read_into(path, index, target, tables, key=key, signer=signer, fd=f.fileno())
+    header, packed = tables.header(fd)
+    target.prepare(header.tensors)
+    if header.version == 1:
         segments = target.segments(index, header.tensors)
-        if header.version == 1:
-            return _copy_in(path, index, header, target, segments, key, signer)
-        first = digests.SUM if signer is None else digests.MAC
-        pieces = [p for segs in segments for p in _cut(segs)]
-        leaves = _read_hashed(fd, header.data_offset, pieces, first)
+        return _copy_in(path, index, header, target, segments, key, signer)
+    first = digests.SUM if signer is None else digests.MAC
+    cut = target.cut(index, header.tensors)
+    leaves = _read_hashed(fd, header.data_offset, cut, first)
 
     def all_leaves(kind: str) -> Sequence[bytes]:
-        return leaves if kind == first else [digests.leaf(kind, p) for p in pieces]
+        if kind == first:
+            return leaves
+        return [digests.leaf(kind, cut.piece(i)) for i in range(len(cut.bounds) - 1)]
 
     check = _Packed(header, packed)
     digests.verify_leaves(check, all_leaves, key, signer)
@@ -270,56 +394,36 @@ def _placed(index: int, header: st.Header, target: Joined) -> Placed:
     meta = meta_codec.unpack(header.meta_bytes)
     if not isinstance(meta, dict):
         raise FormatError("record metadata is not a map")
-    shapes = {t.name: Shape(t.shape, st._BY_NAME[t.dtype][0]) for t in header.tensors}
-    return Placed(index, meta, shapes, target, header.data_size)
+    return Placed(index, meta, target.shapes(header.tensors), target, header.data_size)
 
 
-def _cut(segments: list[memoryview]) -> list[list[memoryview]]:
-    """A tensor's destination views cut into the parts of each of its PIECE-byte pieces."""
-    out, cur, size = [], [], 0
-    for seg in segments:
-        while len(seg):
-            take = min(len(seg), digests.PIECE - size)
-            cur.append(seg[:take])
-            seg, size = seg[take:], size + take
-            if size == digests.PIECE:
-                out.append(cur)
-                cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _read_hashed(fd: int, offset: int, pieces: list[list[memoryview]], kind: str) -> list[bytes]:
-    """Fill the pieces from ``offset`` on, about GROUP_BYTES a ``preadv``; hash each piece as
-    soon as its group has landed (still in cache). A file cut short is a FormatError."""
+def _read_hashed(fd: int, offset: int, cut: _Cut, kind: str) -> list[bytes]:
+    """Fill the record's views from ``offset`` on, one ``preadv`` a group; hash each piece
+    as soon as its group has landed (still in cache). A file cut short is a FormatError."""
     leaves: list[bytes] = []
-    i = 0
-    while i < len(pieces):
-        group, size = [], 0
-        j = i
-        while j < len(pieces) and (size < GROUP_BYTES or j == i):
-            group += pieces[j]
-            size += sum(len(p) for p in pieces[j])
-            j += 1
-        _preadv_all(fd, group, offset)
+    views, bounds, leaf = cut.views, cut.bounds, digests.leaf
+    for i, j, size in cut.groups:
+        _preadv_all(fd, views[bounds[i] : bounds[j]], offset)
         offset += size
-        leaves += [digests.leaf(kind, pieces[k]) for k in range(i, j)]
-        i = j
+        leaves += [leaf(kind, views[bounds[k] : bounds[k + 1]]) for k in range(i, j)]
     return leaves
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
-    while views:
-        n = os.preadv(fd, views[:_IOV_MAX], offset)
+    i, n_views = 0, len(views)
+    while i < n_views:
+        batch = views[i : i + _IOV_MAX]
+        n = os.preadv(fd, batch, offset)
         if n == 0:
             raise FormatError("the file ends before its tensor bytes do (truncated)")
         offset += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views = views[1:]
+        for v in batch:  # skip the views filled whole; resume a partly filled one
+            if n < len(v):
+                break
+            n -= len(v)
+            i += 1
         if n:
-            views = [views[0][n:], *views[1:]]
+            views = [*views[:i], views[i][n:], *views[i + 1 :]]
 
 
 def _copy_in(

@@ -33,6 +33,7 @@ from urllib.parse import SplitResult, unquote
 from mlxcache.backends import clock
 from mlxcache.backends.base import BackendBase, check_budget, log
 from mlxcache.backends.clock import check_lifetime, lifetime_options
+from mlxcache.backends.disk.descriptors import Descriptors
 from mlxcache.backends.disk.files import (
     GROUP_MODES,
     PRIVATE_MODES,
@@ -102,6 +103,7 @@ class DiskBackend(JoinMixin, WriteMixin, IndexMixin, BackendBase):
         self._quarantine = self.root / "quarantine"
         self._index = self.root / "index.sqlite"
         self._conns_lock = threading.Lock()
+        self._fds = Descriptors()  # open block files a restore reads again (get_joined)
         self._reset_connections()
         self._pinned_col = "pinned"  # "0" for a read-only index made before pins
         if self.readonly:
@@ -196,6 +198,8 @@ class DiskBackend(JoinMixin, WriteMixin, IndexMixin, BackendBase):
     def _remove_files(self, files: Iterable[str | None]) -> None:
         """Delete files the index no longer names (after the commit that dropped them), and
         their shard folder once it is empty (a put recreates it, see ``_put``)."""
+        files = list(files)
+        self._fds.forget(files)
         shards = set()
         for file in files:
             if file:
@@ -237,6 +241,7 @@ class DiskBackend(JoinMixin, WriteMixin, IndexMixin, BackendBase):
         except sqlite3.Error as sql_exc:
             self.error("discard", sql_exc)
             return
+        self._fds.forget([file])
         src = self._data / file
         try:
             os.replace(src, self._quarantine / src.name)

@@ -292,7 +292,11 @@ class IndexMixin:
         return out
 
     def _close(self) -> None:
-        """Close this process's index connections; a later call opens them again."""
+        """Close this process's index connections and kept record files; a later call opens
+        them again."""
+        fds = getattr(self, "_fds", None)
+        if fds is not None:
+            fds.clear()
         with self._conns_lock:
             conns, self._conns = self._conns, []
             self._local = threading.local()

@@ -4,8 +4,10 @@ A prefix restore reads many block records and joins them on axis -2. Here the in
 once for every file, the first record's header is read on the caller's thread (it sizes the
 final arrays, see :class:`mlxcache.records.gather.Joined`), then every record on the reader
 pool, each file ``preadv``ed into its rows and verified (checksum, or MAC with a secret) as its
-pieces land. A corrupt or forged file is handled as by ``get``: a miss, unindexed and
-quarantined; a record that does not fit the join (another layout) is a quiet miss and stays.
+pieces land. Files are read through the backend's bounded cache of open descriptors
+(``descriptors.py``): a repeated restore opens none of them again. A corrupt or forged file
+is handled as by ``get``: a miss, unindexed and quarantined (its descriptor closed); a record
+that does not fit the join (another layout) is a quiet miss and stays.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class JoinMixin:
     _guard: Any
     _counters: Any
     _fleet: Any
+    _fds: Any
 
     def get_joined(self, keys: list[str], target: Joined) -> list[Placed | None]:
         """Records of ``keys`` read into rows ``0..len(keys)-1`` of ``target``, verified, in
@@ -59,13 +62,17 @@ class JoinMixin:
         if keys[0] not in files:  # the run ends before its first record
             return [None] * len(keys)
         tables = gather.Tables()
+        skip = len(str(self._data)) + 1  # a data file's name is its path after this
 
         def one(i: int) -> tuple[Placed | None, str | None]:
             key = keys[i]
 
             def read(path: Any) -> Any:
                 try:
-                    return gather.read_into(path, i, target, tables, key=key, signer=self.signer)
+                    with self._fds.borrow(str(path)[skip:], path) as fd:
+                        return gather.read_into(
+                            path, i, target, tables, key=key, signer=self.signer, fd=fd
+                        )
                 except gather.NotJoinable:
                     return _MISFIT
 
@@ -77,7 +84,8 @@ class JoinMixin:
             return (None, None) if placed is _MISFIT else (placed, file)
 
         try:  # the arrays are allocated here, on this thread, from the first header
-            gather.prepare(self._data / files[keys[0]], target, tables)
+            with self._fds.borrow(files[keys[0]], self._data / files[keys[0]]) as fd:
+                gather.prepare(self._data / files[keys[0]], target, tables, fd=fd)
             ready = True
         except Exception:  # reading the first record below says why (a miss, or quarantine)
             ready = False

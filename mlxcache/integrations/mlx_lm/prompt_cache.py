@@ -174,9 +174,10 @@ class SharedPromptCache(LRUPromptCache):
         """The nearest cache and the tokens it does not cover, as ``LRUPromptCache``.
 
         The hot tier first (a copy of a live cache, like mlx-lm). Unless it covers the prompt,
-        the shared tier is asked (one ``contains_many``) whether it has a longer prefix, e.g.
-        one another worker computed, and only then read; it restores at most
-        ``len(tokens) - 1`` tokens (the last one is always run).
+        the shared tier is asked whether it has a longer prefix, e.g. one another worker
+        computed: with a hot prefix one ``contains_many`` first and a read only if it has
+        more; with none, straight away one lookup. It restores at most ``len(tokens) - 1``
+        tokens (the last one is always run).
         """
         self._count(fetches=1)
         if tokens and self.backend is not None:
@@ -198,8 +199,12 @@ class SharedPromptCache(LRUPromptCache):
         """A backend hit longer than ``have`` tokens (at most ``len(tokens) - 1``), or None."""
         try:
             pc = self.prefix_cache(model)
-            if pc is None or len(tokens) < 2 or pc.longest(tokens[:-1], have=have) <= have:
-                return None  # one contains_many (of the lengths past ``have``), nothing read
+            if pc is None or len(tokens) < 2:
+                return None
+            # with a hot prefix, one contains_many of the lengths past it first (nothing
+            # read unless the backend has more); with none, the lookup's own probe is that
+            if have and pc.longest(tokens[:-1], have=have) <= have:
+                return None
             hit = pc.lookup(tokens[:-1])
         except Exception as e:  # a failing store is a miss, never an error in the server
             log.warning("mlx-lm prompt cache: lookup failed, running uncached: %s", e)
