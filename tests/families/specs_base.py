@@ -33,3 +33,38 @@ SPECS = [
         notes="sliding-window layers: reused at a stored length only",
     ),
 ]
+
+# mlx-vlm's test_qwen2_5_vl, shrunk (2 layers, width 128; a 2-block windowed vision tower)
+QWEN2_5_VL = {
+    "model_type": "qwen2_5_vl",
+    "image_token_id": 999,
+    "video_token_id": 998,
+    "vision_start_token_id": 997,
+    "vocab_size": 1000,
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+    "tie_word_embeddings": True,
+    "text_config": {},
+    "vision_config": {
+        "model_type": "qwen2_5_vl",
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "out_hidden_size": 128,
+        "num_heads": 2,
+        "in_channels": 3,
+        "patch_size": 14,
+        "spatial_patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        "fullatt_block_indexes": [1],
+    },
+}
+SPECS.append(Spec("qwen2_5_vl", QWEN2_5_VL, _qwen2_vl_image, text_ids=(1, 990)))

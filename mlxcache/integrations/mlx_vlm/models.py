@@ -111,7 +111,7 @@ FAMILIES: dict[str, Family] = {
     "paddleocr_vl": Family(
         encoder=features_qwen.paddleocr_encoder, prime_positions=True, slice_positions=True
     ),
-    "gemma3": Family(encoder=_gemma3_encoder),
+    "gemma3": Family(encoder=_gemma3_encoder, token_inputs=("token_type_ids",)),  # never read
     "llava": Family(encoder=enc.llava),
     "pixtral": Family(encoder=enc.pixtral),
     "mistral3": Family(encoder=enc.mistral3),
