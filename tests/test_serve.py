@@ -39,11 +39,13 @@ class Server:
         self.log_path = log_path
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
         args = [sys.executable, "-m", "mlxcache", "serve", "--model", model]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
+        args += ["--port", str(self.port), *extra]  # the default address: 127.0.0.1
         args += ["--cache", cache] if cache is not None else []  # else $MLXCACHE_URL
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until_healthy(self, "mlxcache serve", 120)
+        assert f"mlxcache serve: mlx-lm will listen on {self.url}\n" in self.log()
+        assert f"Starting httpd at 127.0.0.1 on port {self.port}" in self.log()
 
     def chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int]:
         """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion."""
@@ -197,29 +199,29 @@ def test_hot_tier_holds_prompt_cache_bytes(tiny_lm, servers, tmp_path):
     assert cached == n - 1
 
 
-def test_without_mlx_lm_one_line_says_what_to_install():
+def test_without_mlx_lm_one_line_says_what_to_install(tiny_lm):
     code = (
         "import sys\n"
         "sys.modules['mlx_lm'] = None  # as if it were not installed\n"
         "from mlxcache.cli import main\n"
-        "sys.exit(main(['serve', '--model', 'x']))\n"
+        "sys.exit(main(['serve', '--model', sys.argv[1]]))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code, tiny_lm], capture_output=True, text=True)
     assert run.returncode == 1
     assert run.stderr.strip().splitlines() == [
         "mlxcache: error: mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
     ]
 
 
-def test_bad_cache_uri_is_one_line():
-    args = [sys.executable, "-m", "mlxcache", "serve", "--cache", "nosuch://x", "--model", "m"]
+def test_bad_cache_uri_is_one_line(tiny_lm):
+    args = [sys.executable, "-m", "mlxcache", "serve", "--cache", "nosuch://x", "--model", tiny_lm]
     run = subprocess.run(args, capture_output=True, text=True)
     assert run.returncode == 1
     assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr
 
 
-def test_bad_cache_kv_bits_is_one_line():
-    args = [sys.executable, "-m", "mlxcache", "serve", "--cache-kv-bits", "7", "--model", "m"]
+def test_bad_cache_kv_bits_is_one_line(tiny_lm):
+    args = [sys.executable, "-m", "mlxcache", "serve", "--cache-kv-bits", "7", "--model", tiny_lm]
     run = subprocess.run(args, capture_output=True, text=True)
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()

@@ -33,10 +33,14 @@ class Server:
         self.log_path = log_path
         home.mkdir(parents=True, exist_ok=True)  # vllm-mlx's own disk cache lives under ~
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HOME=str(home))
-        args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        ours = args[2:4] == ["mlxcache", "serve"]
+        args = [*args, *([] if ours else ["--host", "127.0.0.1"]), "--port", str(self.port)]
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until_healthy(self, "vllm-mlx server", 180)
+        if ours:  # the default address
+            assert f"mlxcache serve: vllm-mlx will listen on {self.url}\n" in self.log()
+            assert f"Uvicorn running on {self.url}" in self.log()
 
     def post(self, path: str, body: dict) -> dict:
         req = urllib.request.Request(

@@ -53,18 +53,14 @@ class VlmServer:
         else:
             args = [sys.executable, "-m", "mlxcache", "serve", "--engine", "mlx-vlm"]
             args += ["--cache", cache] if cache is not None else []
-        args += [
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *extra,
-        ]
+        args += ["--model", model, "--port", str(self.port), *extra]
+        args += ["--host", "127.0.0.1"] if plain else []  # ours: the default address
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until_healthy(self, "the server", 180)
+        if not plain:
+            assert f"mlxcache serve: mlx-vlm will listen on {self.url}\n" in self.log()
+            assert f"Uvicorn running on {self.url}" in self.log()
 
     def chat(self, images=("A",), text: str = QUESTION, max_tokens: int = 8):
         """(text, prompt_tokens, cached_tokens) of one greedy chat completion."""

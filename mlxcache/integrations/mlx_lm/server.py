@@ -29,6 +29,19 @@ INSTALL_HINT = "mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
 END_TIMEOUT = 10.0  # seconds a response waits for its store at most
 
 
+class StartFailed(Exception):
+    """The server cannot start (the model does not load, the port is taken): one line."""
+
+
+def installed() -> bool:
+    """Whether mlx-lm (this engine) can be imported."""
+    try:
+        import mlx_lm.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _options() -> argparse.ArgumentParser:
     p = cache_options(
         "mlxcache serve",
@@ -173,6 +186,13 @@ def make_run(options: argparse.Namespace):
 
     def run(host, port, model_provider, server_class=None, handler_class=None):
         cli = model_provider.cli_args
+        if cli.model is not None:  # load before the port opens: a bad model is one line
+            try:
+                model_provider.load_default()
+            except Exception as exc:
+                text = str(exc).strip()
+                reason = text.splitlines()[0] if text else type(exc).__name__
+                raise StartFailed(f"--model {cli.model}: mlx-lm cannot load it: {reason}") from None
         names: dict[Any, str] = {}
 
         def identity(model_key: Any) -> str:
@@ -205,6 +225,9 @@ def make_run(options: argparse.Namespace):
                 server._run_http_server(host, port, generator, **kwargs)
             else:
                 generator.join()
+        except OSError as exc:  # the port was taken while the model loaded
+            generator.stop_and_join()
+            raise StartFailed(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         finally:
             prompt_cache.close()
 
@@ -239,6 +262,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = ["mlxcache serve", *rest]
     try:
         server.main()
+    except StartFailed as exc:
+        print(f"mlxcache: error: {exc}", file=sys.stderr)
+        return 1
     except SystemExit as exc:  # argparse's --help and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:

@@ -35,7 +35,6 @@ def _options() -> argparse.ArgumentParser:
         "mlxcache serve --engine mlx-vlm",
         "mlx-vlm's server (every mlx_vlm.server option) with its prefix cache on mlxcache. "
         "mlxcache's own options:",
-        cache_help="cache URI (default: $MLXCACHE_URL, else the folder)",
     )
 
 

@@ -70,12 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _options()
     options, rest = parser.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
+    helping = "-h" in rest or "--help" in rest
+    if helping:
         parser.print_help()
         print()
     try:
         version = seam.check_version()
     except seam.VllmMlxVersionError as exc:
+        if helping:  # help works without the engine: it says what to install
+            print(f"({exc})")
+            return 0
         print(f"mlxcache: error: {exc}", file=sys.stderr)
         return 1
     from vllm_mlx import cli
@@ -105,7 +109,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         _metrics_route(server.app)
         log.info("mlxcache serve: vllm-mlx %s on %r", version, backend)
-        return _run(cli, _vllm_argv(model, rest))
+        try:
+            return _run(cli, _vllm_argv(model, rest))
+        except Exception as exc:  # its model load, before uvicorn opens the port
+            text = str(exc).strip()
+            reason = text.splitlines()[0] if text else type(exc).__name__
+            print(f"mlxcache: error: --model {model}: vllm-mlx cannot load it: {reason}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
     finally:
         seam.uninstall()
         backend.close()
