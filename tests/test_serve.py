@@ -47,13 +47,17 @@ class Server:
         assert f"mlxcache serve: mlx-lm will listen on {self.url}\n" in self.log()
         assert f"Starting httpd at 127.0.0.1 on port {self.port}" in self.log()
 
-    def chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int]:
-        """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion."""
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens}).encode()
+    def chat(
+        self, messages=CHAT, max_tokens: int = 8, salt: str | None = None, header: str | None = None
+    ) -> tuple[str, int, int]:
+        """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion; ``salt``
+        goes in the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
+        body = {"messages": messages, "max_tokens": max_tokens}
+        body.update({} if salt is None else {"cache_salt": salt})
+        headers = {"Content-Type": "application/json"}
+        headers.update({} if header is None else {"X-Cache-Salt": header})
         req = urllib.request.Request(
-            self.url + "/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
+            self.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.load(r)
@@ -125,7 +129,11 @@ def test_repeat_then_restart_on_file_cache(tiny_lm, servers, tmp_path):
     warm, n3, cached = second.chat()
     assert (warm, n3) == (cold, n)
     assert cached == n - 1
-    assert "hot 0 entries" in second.log()  # a new process: it came from the folder
+    # a new process: it came from the folder, and the line after the lookup says so
+    assert (
+        f"this request a shared-tier hit ({n - 1} of {n} tokens reused); hot tier 0 entries, "
+        "0 bytes (max unbounded); so far: hot hits 0, shared-tier hits 1, misses 0"
+    ) in second.log()
     # streamed, the usage chunk reports the same
     assert second.stream_chat() == (cold, n, n - 1)
     # /metrics: Prometheus text, parsed by prometheus_client's own parser
@@ -189,7 +197,7 @@ def test_hot_tier_holds_prompt_cache_bytes(tiny_lm, servers, tmp_path):
     for p in prompts:
         s.chat(p, max_tokens=2)
     s.chat([{"role": "user", "content": "one more, to log the state after the last"}], 2)
-    line = re.compile(r"mlxcache prompt cache: hot (\d+) entries (\d+) bytes \(max (\d+)\)")
+    line = re.compile(r"hot tier (\d+) entries, (\d+) bytes \(max (\d+) bytes\)")
     seen = [(int(a), int(b), int(c)) for a, b, c in line.findall(s.log())]
     assert len(seen) == 51
     assert all(m == budget and b <= budget for _, b, m in seen)
@@ -305,3 +313,40 @@ def test_concurrent_requests_are_each_stored_before_they_end(tiny_lm, servers, t
     for i in range(4):  # (texts are not compared: batched and single runs may round apart)
         _, n, cached = second.chat(asks[i], max_tokens=6)
         assert n == answers[i][1] and cached == n - 1
+
+
+def test_a_request_salt_keeps_its_blocks_its_own(tiny_lm, servers, tmp_path):
+    """``cache_salt`` (body) or ``X-Cache-Salt``: two salts never share a block, one salt does,
+    in the hot tier (one process) and the shared tier (after a restart); the answer is the same."""
+    cache = f"file://{tmp_path}/cache"
+    s = servers(tiny_lm, cache)
+    cold, n, cached = s.chat(salt="alice")
+    assert cached == 0
+    assert s.chat(salt="alice") == (cold, n, n - 1)  # the same salt: its blocks
+    assert s.chat(header="alice") == (cold, n, n - 1)  # the header is the same salt
+    assert s.chat(salt="bob") == (cold, n, 0)  # another salt: nothing of alice's
+    assert s.chat() == (cold, n, 0)  # no salt: nothing of either
+    bad = urllib.request.Request(
+        s.url + "/v1/chat/completions",
+        data=json.dumps({"messages": CHAT, "max_tokens": 2, "cache_salt": 7}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(bad, timeout=60)
+    assert refused.value.code == 400
+    assert "cache_salt must be a string" in refused.value.read().decode()
+    s.kill()
+    s = servers(tiny_lm, cache)  # restarted: the shared tier keeps them apart too
+    assert s.chat(salt="carol") == (cold, n, 0)
+    assert s.chat(header="bob") == (cold, n, n - 1)
+    text = {"prompt": "Once upon a time a cat, a dog and a bird", "max_tokens": 2}
+    for salt, want_cached in (("dave", 0), ("dave", True), ("erin", 0)):
+        req = urllib.request.Request(
+            s.url + "/v1/completions",
+            data=json.dumps({**text, "cache_salt": salt}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            usage = json.load(r)["usage"]
+        got = usage["prompt_tokens_details"]["cached_tokens"]
+        assert got > 0 if want_cached is True else got == 0, (salt, usage)
