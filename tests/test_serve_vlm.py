@@ -54,6 +54,13 @@ def test_repeat_second_server_and_restart(tiny_vlm, tmp_path):
         first.kill()
         first = VlmServer(tiny_vlm, cache, tmp_path / "restart.log", *BLOCK)
         assert first.chat(["A"]) == (cold, n, n - 1)
+        # (d) a request's cache_salt: nothing unsalted (nor another salt's) is served for it;
+        # the same salt, as body field or header, is, in this process and in another
+        assert first.chat(["A"], salt="alice") == (cold, n, 0)
+        assert first.chat(["A"], header="alice") == (cold, n, n - 1)
+        assert first.chat(["A"], salt="bob") == (cold, n, 0)
+        assert second.chat(["A"], salt="alice") == (cold, n, n - 1)
+        assert second.chat(["A"], salt="carol", header="carol") == (cold, n, 0)
     finally:
         first.kill()
         if second is not None:

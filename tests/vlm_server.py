@@ -65,8 +65,11 @@ class VlmServer:
             assert "APC self-check failed" not in self.log()
             assert "mlxcache APC: the prompt cache (" in self.log()
 
-    def chat(self, images=("A",), text: str = QUESTION, max_tokens: int = 8):
-        """(text, prompt_tokens, cached_tokens) of one greedy chat completion."""
+    def chat(
+        self, images=("A",), text: str = QUESTION, max_tokens: int = 8, salt=None, header=None
+    ):
+        """(text, prompt_tokens, cached_tokens) of one greedy chat completion; ``salt`` goes in
+        the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
         content = [{"type": "image_url", "image_url": {"url": image(n)}} for n in images]
         content.append({"type": "text", "text": text})
         body = {
@@ -75,10 +78,11 @@ class VlmServer:
             "max_tokens": max_tokens,
             "temperature": 0.0,
         }
+        body.update({} if salt is None else {"cache_salt": salt})
+        headers = {"Content-Type": "application/json"}
+        headers.update({} if header is None else {"X-Cache-Salt": header})
         req = urllib.request.Request(
-            self.url + "/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            self.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
         )
         with urllib.request.urlopen(req, timeout=180) as r:
             out = json.load(r)

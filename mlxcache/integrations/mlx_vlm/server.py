@@ -106,6 +106,7 @@ def _metrics_route(app: Any, installed: Any, backend: CacheBackend) -> None:
 
 def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     """Put mlxcache into mlx-vlm's server (see the module docstring); returns the undo."""
+    from mlxcache.integrations.mlx_vlm import salts
     from mlxcache.integrations.mlx_vlm.apc import install
     from mlxcache.integrations.mlx_vlm.server_vision import VisionBinder
     from mlxcache.prefix import PrefixCache
@@ -131,6 +132,7 @@ def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     installed = install(make_prefix, on_load=lambda path: vision.bind(name_of(path)))
     app_module = importlib.import_module("mlx_vlm.server.app")
     installed.replace(app_module, "VisionFeatureCache", vision.make)
+    salts.install(installed)  # a request's cache_salt joins its keys
     from mlx_vlm.server import app
 
     _metrics_route(app, installed, backend)
