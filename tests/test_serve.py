@@ -129,6 +129,11 @@ def test_repeat_then_restart_on_file_cache(tiny_lm, servers, tmp_path):
     warm, n3, cached = second.chat()
     assert (warm, n3) == (cold, n)
     assert cached == n - 1
+    # a request's cache_salt (body) or X-Cache-Salt: its own blocks, hot and shared tier alike
+    assert second.chat(salt="alice") == (cold, n, 0)
+    assert second.chat(salt="alice") == (cold, n, n - 1)  # the same salt: its blocks
+    assert second.chat(header="alice") == (cold, n, n - 1)  # the header is the same salt
+    assert second.chat(salt="bob") == (cold, n, 0)  # another salt: nothing of alice's
     # a new process: it came from the folder, and the line after the lookup says so
     assert (
         f"this request a shared-tier hit ({n - 1} of {n} tokens reused); hot tier 0 entries, "
@@ -315,17 +320,9 @@ def test_concurrent_requests_are_each_stored_before_they_end(tiny_lm, servers, t
         assert n == answers[i][1] and cached == n - 1
 
 
-def test_a_request_salt_keeps_its_blocks_its_own(tiny_lm, servers, tmp_path):
-    """``cache_salt`` (body) or ``X-Cache-Salt``: two salts never share a block, one salt does,
-    in the hot tier (one process) and the shared tier (after a restart); the answer is the same."""
-    cache = f"file://{tmp_path}/cache"
-    s = servers(tiny_lm, cache)
-    cold, n, cached = s.chat(salt="alice")
-    assert cached == 0
-    assert s.chat(salt="alice") == (cold, n, n - 1)  # the same salt: its blocks
-    assert s.chat(header="alice") == (cold, n, n - 1)  # the header is the same salt
-    assert s.chat(salt="bob") == (cold, n, 0)  # another salt: nothing of alice's
-    assert s.chat() == (cold, n, 0)  # no salt: nothing of either
+def test_a_request_salt_on_completions_and_a_bad_salt(tiny_lm, servers, tmp_path):
+    """/v1/completions takes cache_salt too; a salt that is not a string is answered 400."""
+    s = servers(tiny_lm, f"file://{tmp_path}/cache")
     bad = urllib.request.Request(
         s.url + "/v1/chat/completions",
         data=json.dumps({"messages": CHAT, "max_tokens": 2, "cache_salt": 7}).encode(),
@@ -335,10 +332,6 @@ def test_a_request_salt_keeps_its_blocks_its_own(tiny_lm, servers, tmp_path):
         urllib.request.urlopen(bad, timeout=60)
     assert refused.value.code == 400
     assert "cache_salt must be a string" in refused.value.read().decode()
-    s.kill()
-    s = servers(tiny_lm, cache)  # restarted: the shared tier keeps them apart too
-    assert s.chat(salt="carol") == (cold, n, 0)
-    assert s.chat(header="bob") == (cold, n, n - 1)
     text = {"prompt": "Once upon a time a cat, a dog and a bird", "max_tokens": 2}
     for salt, want_cached in (("dave", 0), ("dave", True), ("erin", 0)):
         req = urllib.request.Request(

@@ -102,19 +102,22 @@ def test_a_repo_id_offline_and_not_cached_is_one_line(tmp_path):
     assert run.stdout == "" and nothing_listens(port)
 
 
+def test_no_such_folder_is_one_line():
+    run = serve("--model", "/no/such/dir", "--port", str(free_port()))
+    assert one_line(run) == "mlxcache: error: --model /no/such/dir: no such folder"
+
+
 @pytest.mark.parametrize("engine", ["mlx-lm", "mlx-vlm", "vllm-mlx"])
-def test_a_bad_model_is_one_line_and_no_port(engine, no_weights, tmp_path):
-    """No such folder, an id offline and not cached, a folder no engine can load."""
+def test_a_model_no_engine_can_load_is_one_line_and_no_port(engine, no_weights, tmp_path):
+    """A folder without weights, and (with --engine) an id offline and not cached."""
     port = free_port()
     common = ("--engine", engine, "--port", str(port), "--cache", f"file://{tmp_path}/c")
     python = PYTHONS[engine]
-    run = serve(*common, "--model", "/no/such/dir", python=python)
-    assert one_line(run) == "mlxcache: error: --model /no/such/dir: no such folder"
-    run = serve(*common, "--model", "org/not-downloaded", python=python, hf_home=tmp_path)
-    assert "its config.json is not in the Hugging Face cache" in one_line(run)
     run = serve(*common, "--model", no_weights, python=python)
     line = one_line(run)
     assert line.startswith(f"mlxcache: error: --model {no_weights}: {engine} cannot load it: ")
+    run = serve(*common, "--model", "org/not-downloaded", python=python, hf_home=tmp_path)
+    assert one_line(run).endswith("cannot be reached (offline)")  # no --engine hint: it has one
     assert nothing_listens(port)
 
 
@@ -144,12 +147,14 @@ def test_help_names_every_engine_and_the_default_cache_without_mlx_lm():
         assert text in run.stdout, (text, run.stdout)
 
 
-def test_each_engines_help_says_the_default_cache(tiny_lm):
-    for engine in ("mlx-vlm", "vllm-mlx"):  # vllm-mlx is not in this venv: help still answers
-        run = serve("--engine", engine, "--help")
-        assert run.returncode == 0, run.stderr
-        assert "file://~/.cache/mlxcache?max_bytes=20GiB)" in run.stdout.replace("\n", "")
-        assert "else the folder" not in run.stdout
+def test_each_engines_help_says_the_default_cache():
+    from mlxcache.integrations.mlx_vlm.server import _options
+
+    default = "file://~/.cache/mlxcache?max_bytes=20GiB)"
+    assert default in " ".join(_options().format_help().split())  # was "else the folder"
+    run = serve("--engine", "vllm-mlx", "--help")  # not in this venv: help still answers
+    assert run.returncode == 0, run.stderr
+    assert default in " ".join(run.stdout.split()) and "vllm-mlx is not installed" in run.stdout
     top = subprocess.run(
         [sys.executable, "-m", "mlxcache", "--help"], capture_output=True, text=True
     )

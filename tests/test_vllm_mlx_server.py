@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
@@ -70,6 +71,7 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     text, prompt_tokens, cached = first.chat()
     assert (text, cached) == (reference, 0)
     assert prompt_tokens > 128
+    assert first.chat(salt="alice") == (reference, prompt_tokens, 0)  # its own blocks
     first.kill()
 
     second = servers(cache, "--continuous-batching")
@@ -79,6 +81,9 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     stats = second.get("/v1/cache/stats")["engine_cache"]
     assert stats["hits"] == 1 and stats["tokens_saved"] == cached
     assert stats["mlxcache"]["hits"] == 1 and stats["mlxcache"]["lookup_errors"] == 0
+    # a salt's blocks stored before the restart are its own after it
+    assert second.chat(salt="bob") == (reference, prompt_tokens, 0)
+    assert second.chat(header="alice") == (reference, prompt_tokens, prompt_tokens - 1)
 
 
 def test_repeat_in_one_process_reuses_the_prompt(servers, reference, tmp_path):
@@ -89,6 +94,16 @@ def test_repeat_in_one_process_reuses_the_prompt(servers, reference, tmp_path):
     second, _, cached = s.chat()
     assert first == second == reference
     assert cached == prompt_tokens - 1
+    # a request's cache_salt (body) or X-Cache-Salt (header): its own blocks, in vllm-mlx's
+    # in-process LRU and in the shared tier; the same answer
+    assert s.chat(salt="alice") == (reference, prompt_tokens, 0)
+    assert s.chat(header="alice") == (reference, prompt_tokens, prompt_tokens - 1)
+    assert s.chat(salt="bob") == (reference, prompt_tokens, 0)
+    assert s.chat(salt="bob") == (reference, prompt_tokens, prompt_tokens - 1)
+    assert s.chat() == (reference, prompt_tokens, prompt_tokens - 1)  # unsalted: still its own
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        s.chat(salt="carol", header="dave")
+    assert refused.value.code == 400
 
 
 def test_two_live_servers_share_one_redis(servers, reference, redis_url):

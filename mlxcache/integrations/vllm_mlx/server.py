@@ -107,7 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         from vllm_mlx import server
 
+        from mlxcache.integrations.vllm_mlx import salts
+
         _metrics_route(server.app)
+        salts.install(server.app)  # a request's cache_salt joins its keys
         log.info("mlxcache serve: vllm-mlx %s on %r", version, backend)
         try:
             return _run(cli, _vllm_argv(model, rest))
@@ -118,6 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                   file=sys.stderr)  # fmt: skip
             return 1
     finally:
+        from mlxcache.integrations.vllm_mlx import salts
+
+        salts.uninstall()
         seam.uninstall()
         backend.close()
 
