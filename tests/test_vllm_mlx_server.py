@@ -18,7 +18,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
-from vllm_servers import Server, require_vllm_python, server_args
+from vllm_servers import NAME, TEXT, Server, require_vllm_python, server_args
 
 from mlxcache.tiny_models import build_tiny_lm
 
@@ -104,6 +104,12 @@ def test_repeat_in_one_process_reuses_the_prompt(servers, reference, tmp_path):
     with pytest.raises(urllib.error.HTTPError) as refused:
         s.chat(salt="carol", header="dave")
     assert refused.value.code == 400
+    cached = []  # completions too
+    for salt in ("erin", "erin", "frank"):
+        body = {"model": NAME, "prompt": TEXT, "max_tokens": 4, "temperature": 0.0}
+        usage = s.post("/v1/completions", {**body, "cache_salt": salt})["usage"]
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+    assert cached[0] == cached[2] == 0 and cached[1] == usage["prompt_tokens"] - 1, cached
 
 
 def test_two_live_servers_share_one_redis(servers, reference, redis_url):
