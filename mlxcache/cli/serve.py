@@ -86,6 +86,7 @@ every engine:
   --host HOST   default {DEFAULT_HOST} (this machine only: the cache holds every user's
                 prompts); --host 0.0.0.0 opens the server to the network
   --cache URI   default $MLXCACHE_URL, else {DEFAULT_URL}
+  a request's "cache_salt" (body) or X-Cache-Salt header keeps its cache entries its own
   mlxcache serve --engine ENGINE --help lists that engine's options.
 """
 
