@@ -161,6 +161,8 @@ class CacheCollector(Collector):
                 ("store", "cache stores an engine server failed (kept in its process only)"),
             )
         }
+        totals: dict[str, dict[str, float]] = {}  # per model: caches of several salts add up
+        timings: dict[str, dict[str, tuple[list[int], float]]] = {}
         for obj in objects:
             if _is_serving(obj):
                 errors = obj.serve_errors()
@@ -168,9 +170,23 @@ class CacheCollector(Collector):
                     family.add_metric([str(obj.engine)], float(errors.get(op, 0)))
             elif _is_prefix_cache(obj):
                 stats = obj.stats()
+                row = totals.setdefault(obj.model, dict.fromkeys(_PREFIX_COUNTERS, 0.0))
                 for name, source in _PREFIX_COUNTERS.items():
-                    prefix[name].add_metric([obj.model], float(stats.get(source, 0)))
-                _observe(prefix_hists, obj, [obj.model])
+                    row[name] += float(stats.get(source, 0))
+                latency = getattr(obj, "latency", None)
+                for op, (counts, total) in (latency.snapshot() if latency else {}).items():
+                    seen = timings.setdefault(obj.model, {}).get(op)
+                    if seen is not None:
+                        counts = [a + b for a, b in zip(seen[0], counts, strict=True)]
+                        total += seen[1]
+                    timings[obj.model][op] = (counts, total)
+        for model, row in totals.items():
+            for name, total in row.items():
+                prefix[name].add_metric([model], total)
+        for model, ops in timings.items():
+            for op, (counts, total) in ops.items():
+                if op in prefix_hists:
+                    prefix_hists[op].add_metric([model], _cumulative(counts), total)
         yield from prefix.values()
         yield from prefix_hists.values()
         yield from serve.values()

@@ -107,10 +107,28 @@ def open_backend(uri: str | None = None, **options: object) -> CacheBackend:
     scheme = url.scheme.lower()
     factory = _factory(scheme) if "://" in uri else None
     if factory is None:
-        raise ValueError(
-            f"unknown cache URI {redact_uri(uri)!r}: the scheme must be one of "
-            + ", ".join(f"{s}://" for s in schemes())
-        )
+        raise ValueError(_unknown(uri, scheme))
     values: dict[str, object] = dict(parse_qsl(url.query, keep_blank_values=True))
     values.update(options)
     return factory(url, Options(scheme, values))
+
+
+def _unknown(uri: str, scheme: str) -> str:
+    """Why ``uri`` names no backend, quoting what was given and saying what to write instead."""
+    known = schemes()
+    listed = ", ".join(f"{s}://" for s in known)
+    if uri.lower() in known:
+        return f"cache URI {uri!r} is a scheme alone: write {uri.lower()}://..."
+    if "://" not in uri and (not scheme or uri.startswith(("/", ".", "~")) or len(scheme) == 1):
+        path = uri if uri.startswith("~") else os.path.abspath(uri)  # C:\\x is a path too
+        return f"cache URI {uri!r} is a path, not a URI: write file://{path} (or one of {listed})"
+    if "://" not in uri:  # "file:/tmp/x", "redis:host:6379"
+        rest = uri.split(":", 1)[1]
+        if scheme == "file":
+            path = rest if rest.startswith("~") else os.path.abspath(os.path.expanduser(rest))
+            fixed = f"file://{path}"
+        else:
+            fixed = redact_uri(f"{scheme}://{rest.lstrip('/')}")
+        given = f"{scheme}:***@{uri.rsplit('@', 1)[1]}" if "@" in uri else uri
+        return f"cache URI {given!r} has no '//' after '{scheme}:': write {fixed}"
+    return f"unknown cache URI scheme '{scheme}://' in {redact_uri(uri)!r}: use one of {listed}"

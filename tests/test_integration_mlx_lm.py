@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -372,6 +373,31 @@ def test_text_generation_matches_mlx_lm_with_eos_and_logits_processors(tiny_lm):
     assert r.text == "".join(s.text for s in steps) == ref
     assert [s.token for s in steps] == r.tokens
     assert 0 < r.time_to_first_token <= r.total_time
+
+
+def test_first_token_and_total_time_run_on_one_clock(tiny_lm):
+    """Encoding the prompt (here a tokenizer that takes 0.3 s) counts in the time to first
+    token and in the total time alike, streamed or not: the total is never the shorter."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    from mlxcache.integrations.mlx_lm import cached_generate, stream_cached_generate
+
+    model, tokenizer, path = tiny_lm
+    delay = 0.3
+
+    class SlowTokenizer(TokenizerWrapper):
+        def encode(self, *args, **kwargs):
+            time.sleep(delay)
+            return self._tokenizer.encode(*args, **kwargs)
+
+    slow = SlowTokenizer(_load_tokenizer(path)._tokenizer, eos_token_ids=[])
+    chat = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    streamed = list(stream_cached_generate(model, slow, chat, max_tokens=4))[-1].result
+    whole = cached_generate(model, slow, chat, max_tokens=4)
+    for r in (streamed, whole):
+        assert len(r.tokens) == 4
+        assert delay <= r.time_to_first_token <= r.total_time
+        assert r.total_time - r.time_to_first_token < delay  # both hold the encoding
 
 
 def _load_tokenizer(path):

@@ -98,6 +98,22 @@ def test_prefix_lookup_and_store_durations_are_histograms_per_model(tmp_path):
     pc.close()
 
 
+def test_prefix_caches_of_one_model_and_several_salts_are_one_series(tmp_path):
+    """A server holds one PrefixCache per request salt: its metrics add up per model."""
+    caches = [PrefixCache(f"file://{tmp_path}", model="m", block_size=8, salt=s) for s in "ab"]
+    tokens = np.arange(20).tolist()
+    for pc in caches:
+        pc.store(tokens, kv_cache(20))
+        pc.lookup(tokens)
+    text = metrics.render(*caches).decode()
+    found = samples(text)
+    assert value(found, "mlxcache_prefix_lookup_seconds_count", model="m") == 2
+    hits = [v for (n, ls), v in found.items() if n == "mlxcache_prefix_hits_total"]
+    assert hits == [2]  # one series, both caches' hits
+    for pc in caches:
+        pc.close()
+
+
 class BrokenBackend(MemoryBackend):
     """A third-party backend with a bug: it raises where a backend must answer."""
 

@@ -41,19 +41,25 @@ class Server:
         self.log_path = log_path
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
         args = [sys.executable, "-m", "mlxcache", "serve", "--model", model]
-        args += ["--host", "127.0.0.1", "--port", str(self.port), *extra]
+        args += ["--port", str(self.port), *extra]  # the default address: 127.0.0.1
         args += ["--cache", cache] if cache is not None else []  # else $MLXCACHE_URL
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until_healthy(self, "mlxcache serve", 120)
+        assert f"mlxcache serve: mlx-lm will listen on {self.url}\n" in self.log()
+        assert f"Starting httpd at 127.0.0.1 on port {self.port}" in self.log()
 
-    def chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int]:
-        """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion."""
-        body = json.dumps({"messages": messages, "max_tokens": max_tokens}).encode()
+    def chat(
+        self, messages=CHAT, max_tokens: int = 8, salt: str | None = None, header: str | None = None
+    ) -> tuple[str, int, int]:
+        """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion; ``salt``
+        goes in the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
+        body = {"messages": messages, "max_tokens": max_tokens}
+        body.update({} if salt is None else {"cache_salt": salt})
+        headers = {"Content-Type": "application/json"}
+        headers.update({} if header is None else {"X-Cache-Salt": header})
         req = urllib.request.Request(
-            self.url + "/v1/chat/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
+            self.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             out = json.load(r)
@@ -125,7 +131,16 @@ def test_repeat_then_restart_on_file_cache(tiny_lm, servers, tmp_path):
     warm, n3, cached = second.chat()
     assert (warm, n3) == (cold, n)
     assert cached == n - 1
-    assert "hot 0 entries" in second.log()  # a new process: it came from the folder
+    # a request's cache_salt (body) or X-Cache-Salt: its own blocks, hot and shared tier alike
+    assert second.chat(salt="alice") == (cold, n, 0)
+    assert second.chat(salt="alice") == (cold, n, n - 1)  # the same salt: its blocks
+    assert second.chat(header="alice") == (cold, n, n - 1)  # the header is the same salt
+    assert second.chat(salt="bob") == (cold, n, 0)  # another salt: nothing of alice's
+    # a new process: it came from the folder, and the line after the lookup says so
+    assert (
+        f"this request a shared-tier hit ({n - 1} of {n} tokens reused); hot tier 0 entries, "
+        "0 bytes (max unbounded); so far: hot hits 0, shared-tier hits 1, misses 0"
+    ) in second.log()
     # streamed, the usage chunk reports the same
     assert second.stream_chat() == (cold, n, n - 1)
     # the openai package sees it too, streamed or not, under any sampling settings (mlx-lm's
@@ -199,7 +214,7 @@ def test_hot_tier_holds_prompt_cache_bytes(tiny_lm, servers, tmp_path):
     for p in prompts:
         s.chat(p, max_tokens=2)
     s.chat([{"role": "user", "content": "one more, to log the state after the last"}], 2)
-    line = re.compile(r"mlxcache prompt cache: hot (\d+) entries (\d+) bytes \(max (\d+)\)")
+    line = re.compile(r"hot tier (\d+) entries, (\d+) bytes \(max (\d+) bytes\)")
     seen = [(int(a), int(b), int(c)) for a, b, c in line.findall(s.log())]
     assert len(seen) == 51
     assert all(m == budget and b <= budget for _, b, m in seen)
@@ -209,29 +224,29 @@ def test_hot_tier_holds_prompt_cache_bytes(tiny_lm, servers, tmp_path):
     assert cached == n - 1
 
 
-def test_without_mlx_lm_one_line_says_what_to_install():
+def test_without_mlx_lm_one_line_says_what_to_install(tiny_lm):
     code = (
         "import sys\n"
         "sys.modules['mlx_lm'] = None  # as if it were not installed\n"
         "from mlxcache.cli import main\n"
-        "sys.exit(main(['serve', '--model', 'x']))\n"
+        "sys.exit(main(['serve', '--model', sys.argv[1]]))\n"
     )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code, tiny_lm], capture_output=True, text=True)
     assert run.returncode == 1
     assert run.stderr.strip().splitlines() == [
         "mlxcache: error: mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
     ]
 
 
-def test_bad_cache_uri_is_one_line():
-    args = [sys.executable, "-m", "mlxcache", "serve", "--cache", "nosuch://x", "--model", "m"]
+def test_bad_cache_uri_is_one_line(tiny_lm):
+    args = [sys.executable, "-m", "mlxcache", "serve", "--cache", "nosuch://x", "--model", tiny_lm]
     run = subprocess.run(args, capture_output=True, text=True)
     assert run.returncode == 1
     assert len(run.stderr.strip().splitlines()) == 1 and "nosuch" in run.stderr
 
 
-def test_bad_cache_kv_bits_is_one_line():
-    args = [sys.executable, "-m", "mlxcache", "serve", "--cache-kv-bits", "7", "--model", "m"]
+def test_bad_cache_kv_bits_is_one_line(tiny_lm):
+    args = [sys.executable, "-m", "mlxcache", "serve", "--cache-kv-bits", "7", "--model", tiny_lm]
     run = subprocess.run(args, capture_output=True, text=True)
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
@@ -315,3 +330,28 @@ def test_concurrent_requests_are_each_stored_before_they_end(tiny_lm, servers, t
     for i in range(4):  # (texts are not compared: batched and single runs may round apart)
         _, n, cached = second.chat(asks[i], max_tokens=6)
         assert n == answers[i][1] and cached == n - 1
+
+
+def test_a_request_salt_on_completions_and_a_bad_salt(tiny_lm, servers, tmp_path):
+    """/v1/completions takes cache_salt too; a salt that is not a string is answered 400."""
+    s = servers(tiny_lm, f"file://{tmp_path}/cache")
+    bad = urllib.request.Request(
+        s.url + "/v1/chat/completions",
+        data=json.dumps({"messages": CHAT, "max_tokens": 2, "cache_salt": 7}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(bad, timeout=60)
+    assert refused.value.code == 400
+    assert "cache_salt must be a string" in refused.value.read().decode()
+    text = {"prompt": "Once upon a time a cat, a dog and a bird", "max_tokens": 2}
+    for salt, want_cached in (("dave", 0), ("dave", True), ("erin", 0)):
+        req = urllib.request.Request(
+            s.url + "/v1/completions",
+            data=json.dumps({**text, "cache_salt": salt}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=60) as r:
+            usage = json.load(r)["usage"]
+        got = usage["prompt_tokens_details"]["cached_tokens"]
+        assert got > 0 if want_cached is True else got == 0, (salt, usage)

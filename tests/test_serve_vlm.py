@@ -68,6 +68,13 @@ def test_repeat_second_server_and_restart(tiny_vlm, tmp_path):
             clients.openai.chat.completions.create(model="gpt-4o", messages=[], max_tokens=2)
         with pytest.raises(anthropic.NotFoundError, match="gpt-4o"):
             clients.anthropic.messages.create(model="gpt-4o", messages=[], max_tokens=2)
+        # (d) a request's cache_salt: nothing unsalted (nor another salt's) is served for it;
+        # the same salt, as body field or header, is, in this process and in another
+        assert first.chat(["A"], salt="alice") == (cold, n, 0)
+        assert first.chat(["A"], header="alice") == (cold, n, n - 1)
+        assert first.chat(["A"], salt="bob") == (cold, n, 0)
+        assert second.chat(["A"], salt="alice") == (cold, n, n - 1)
+        assert second.chat(["A"], salt="carol", header="carol") == (cold, n, 0)
     finally:
         first.kill()
         if second is not None:

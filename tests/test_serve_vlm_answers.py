@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from redis_server import free_port
 from vlm_server import VlmServer
 
 from mlxcache.cli.serve import pick_engine
@@ -57,18 +58,13 @@ def run_serve(*args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def test_bad_input_exits_before_a_port_opens(tiny_vlm, tmp_path):
-    port = (
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "1",
-    )  # a port it could never bind: it must not try
+    port = ("--host", "127.0.0.1", "--port", str(free_port()))
     out = run_serve("--engine", "mlx-tpu", "--model", tiny_vlm, *port)
     assert out.returncode != 0 and "unknown engine 'mlx-tpu'" in out.stderr
     # no --engine: the config picks mlx-vlm and says so; a wrong URI is one line, exit 1
     out = run_serve("--model", tiny_vlm, "--cache", "nosuch://x", *port)
     assert out.returncode == 1
-    assert "engine mlx-vlm" in out.stderr and "nosuch" in out.stderr
+    assert "engine mlx-vlm" in out.stdout and "nosuch" in out.stderr
     assert "Uvicorn running" not in out.stderr + out.stdout
     # a model mlx-vlm cannot load
     broken = tmp_path / "broken"

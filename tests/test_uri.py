@@ -109,3 +109,25 @@ def test_an_entry_point_cannot_take_a_built_in_scheme(tmp_path):
         env={"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
     )
     assert out.strip() == "DiskBackend"
+
+
+def test_a_uri_without_slashes_or_a_bare_path_says_what_to_write(tmp_path):
+    """The CLI quotes what was given (not a normalised URI) and the URI to write instead."""
+    cases = {
+        "file:/tmp/x": "cache URI 'file:/tmp/x' has no '//' after 'file:': write file:///tmp/x",
+        "redis:u:pw@h:6379": "cache URI 'redis:***@h:6379' has no '//' after 'redis:': "
+        "write redis://u:***@h:6379",
+        str(tmp_path / "c"): f"cache URI '{tmp_path}/c' is a path, not a URI: write "
+        f"file://{tmp_path}/c (or one of ",
+        "memory": "cache URI 'memory' is a scheme alone: write memory://...",
+        "s3://bucket": "unknown cache URI scheme 's3://' in 's3://bucket': use one of file://, ",
+    }
+    for given, said in cases.items():
+        run = subprocess.run(
+            [sys.executable, "-m", "mlxcache", "stats", given],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        lines = run.stderr.strip().splitlines()
+        assert run.returncode == 1 and len(lines) == 1, run.stderr
+        assert lines[0].startswith(f"mlxcache: error: {said}"), lines[0]
+    assert not (tmp_path / "c").exists()  # nothing was created

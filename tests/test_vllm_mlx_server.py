@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import anthropic
@@ -77,6 +78,7 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     # sampling or temperature=0.7/top_p=0.9, reports all but the last token as cached
     seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
     assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
+    assert first.chat(salt="alice") == (reference, prompt_tokens, 0)  # its own blocks
     first.kill()
 
     second = servers(cache, "--continuous-batching")
@@ -88,6 +90,9 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     assert stats["mlxcache"]["hits"] == 1 and stats["mlxcache"]["lookup_errors"] == 0
     n, read = Clients(second.url, NAME).anthropic_message(messages(TEXT)[1], {})
     assert read == n - 1  # the Messages API's prompt, stored by the first server
+    # a salt's blocks stored before the restart are its own after it
+    assert second.chat(salt="bob") == (reference, prompt_tokens, 0)
+    assert second.chat(header="alice") == (reference, prompt_tokens, prompt_tokens - 1)
 
 
 def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
@@ -129,6 +134,22 @@ def test_repeat_in_one_process_reuses_the_prompt(servers, reference, tmp_path):
     second, _, cached = s.chat()
     assert first == second == reference
     assert cached == prompt_tokens - 1
+    # a request's cache_salt (body) or X-Cache-Salt (header): its own blocks, in vllm-mlx's
+    # in-process LRU and in the shared tier; the same answer
+    assert s.chat(salt="alice") == (reference, prompt_tokens, 0)
+    assert s.chat(header="alice") == (reference, prompt_tokens, prompt_tokens - 1)
+    assert s.chat(salt="bob") == (reference, prompt_tokens, 0)
+    assert s.chat(salt="bob") == (reference, prompt_tokens, prompt_tokens - 1)
+    assert s.chat() == (reference, prompt_tokens, prompt_tokens - 1)  # unsalted: still its own
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        s.chat(salt="carol", header="dave")
+    assert refused.value.code == 400
+    cached = []  # completions too
+    for salt in ("erin", "erin", "frank"):
+        body = {"model": NAME, "prompt": TEXT, "max_tokens": 4, "temperature": 0.0}
+        usage = s.post("/v1/completions", {**body, "cache_salt": salt})["usage"]
+        cached.append((usage.get("prompt_tokens_details") or {}).get("cached_tokens"))
+    assert cached[0] == cached[2] == 0 and cached[1] == usage["prompt_tokens"] - 1, cached
 
 
 def test_two_live_servers_share_one_redis(servers, reference, redis_url):

@@ -33,16 +33,20 @@ class Server:
         self.log_path = log_path
         home.mkdir(parents=True, exist_ok=True)  # vllm-mlx's own disk cache lives under ~
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HOME=str(home))
-        args = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
+        ours = args[2:4] == ["mlxcache", "serve"]
+        args = [*args, *([] if ours else ["--host", "127.0.0.1"]), "--port", str(self.port)]
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until_healthy(self, "vllm-mlx server", 180)
+        if ours:  # the default address
+            assert f"mlxcache serve: vllm-mlx will listen on {self.url}\n" in self.log()
+            assert f"Uvicorn running on {self.url}" in self.log()
 
-    def post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: dict, headers: dict | None = None) -> dict:
         req = urllib.request.Request(
             self.url + path,
             data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(headers or {})},
         )
         with urllib.request.urlopen(req, timeout=180) as r:
             assert r.status == 200
@@ -52,16 +56,15 @@ class Server:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return json.load(r)
 
-    def chat(self, messages=CHAT, max_tokens: int = 8) -> tuple[str, int, int | None]:
-        """(text, prompt_tokens, cached_tokens or None) of one greedy chat completion."""
+    def chat(
+        self, messages=CHAT, max_tokens: int = 8, salt: str | None = None, header: str | None = None
+    ) -> tuple[str, int, int | None]:
+        """(text, prompt_tokens, cached_tokens or None) of one greedy chat completion; ``salt``
+        goes in the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
+        body = {"model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+        body.update({} if salt is None else {"cache_salt": salt})
         out = self.post(
-            "/v1/chat/completions",
-            {
-                "model": NAME,
-                "messages": messages,
-                "max_tokens": max_tokens,
-                "temperature": 0.0,
-            },
+            "/v1/chat/completions", body, {} if header is None else {"X-Cache-Salt": header}
         )
         usage = out["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")

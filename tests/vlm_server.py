@@ -53,21 +53,23 @@ class VlmServer:
         else:
             args = [sys.executable, "-m", "mlxcache", "serve", "--engine", "mlx-vlm"]
             args += ["--cache", cache] if cache is not None else []
-        args += [
-            "--model",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            *extra,
-        ]
+        args += ["--model", model, "--port", str(self.port), *extra]
+        args += ["--host", "127.0.0.1"] if plain else []  # ours: the default address
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
         wait_until_healthy(self, "the server", 180)
+        if not plain:
+            assert f"mlxcache serve: mlx-vlm will listen on {self.url}\n" in self.log()
+            assert f"Uvicorn running on {self.url}" in self.log()
+            # mlx-vlm's self-check fails a model with no make_cache although its APC works
+            assert "APC self-check failed" not in self.log()
+            assert "mlxcache APC: the prompt cache (" in self.log()
 
-    def chat(self, images=("A",), text: str = QUESTION, max_tokens: int = 8):
-        """(text, prompt_tokens, cached_tokens) of one greedy chat completion."""
+    def chat(
+        self, images=("A",), text: str = QUESTION, max_tokens: int = 8, salt=None, header=None
+    ):
+        """(text, prompt_tokens, cached_tokens) of one greedy chat completion; ``salt`` goes in
+        the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
         content = [{"type": "image_url", "image_url": {"url": image(n)}} for n in images]
         content.append({"type": "text", "text": text})
         body = {
@@ -76,10 +78,11 @@ class VlmServer:
             "max_tokens": max_tokens,
             "temperature": 0.0,
         }
+        body.update({} if salt is None else {"cache_salt": salt})
+        headers = {"Content-Type": "application/json"}
+        headers.update({} if header is None else {"X-Cache-Salt": header})
         req = urllib.request.Request(
-            self.url + "/v1/chat/completions",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            self.url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers
         )
         with urllib.request.urlopen(req, timeout=180) as r:
             out = json.load(r)

@@ -118,8 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add(
         "serve",
         cmd_serve,
-        "mlx-lm's or mlx-vlm's own server (--engine; picked from the model's config) on a "
-        "persistent prompt cache",
+        "an engine's own server (--engine mlx-lm, mlx-vlm or vllm-mlx; picked from the "
+        "model's config) on a persistent prompt cache, on 127.0.0.1 unless --host",
     )
     sp.add_argument("server_args", nargs=argparse.REMAINDER, help="see mlxcache serve --help")
     sp = add("import", cmd_import, "store an mlx-lm prompt-cache file as one record")

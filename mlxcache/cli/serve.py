@@ -1,18 +1,27 @@
 """``mlxcache serve [--engine mlx-lm|mlx-vlm|vllm-mlx]``: pick the engine, run its own server.
 
-Without ``--engine`` the model's ``config.json`` (a folder, or a Hugging Face id already in the
-local cache) decides: a ``vision_config`` means mlx-vlm, anything else mlx-lm; the choice is
-printed. With no config here, mlx-lm (the default) runs and fetches the model. Every other
-option goes to the engine's server.
+Without ``--engine`` the model's ``config.json`` (a folder, or fetched alone from the Hugging
+Face Hub) decides: a ``vision_config`` means mlx-vlm, anything else mlx-lm; the choice is
+printed. The model, the address (default 127.0.0.1 for every engine) and the port are checked
+before the engine loads (``serve_start``). Every other option goes to the engine's server.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from collections.abc import Sequence
 from importlib import metadata
+
+from mlxcache.cli.serve_start import (
+    DEFAULT_HOST,
+    DEFAULT_PORTS,
+    StartError,
+    check_address,
+    check_weights,
+    model_config,
+    pick_engine,
+)
+from mlxcache.uri import DEFAULT_URL
 
 ENGINES = ("mlx-lm", "mlx-vlm", "vllm-mlx")
 # mlx-vlm versions whose server seam (apc.from_env, APCManager, hash_image_payload,
@@ -62,34 +71,94 @@ def _take(argv: list[str], flag: str) -> tuple[str | None, list[str]]:
     return value, rest
 
 
-def model_config(model: str) -> dict | None:
-    """The ``config.json`` of a model folder, or of a Hugging Face id already downloaded.
+HELP = f"""usage: mlxcache serve [--engine {{{",".join(ENGINES)}}}] --model MODEL [options]
 
-    None when there is none here (nothing is fetched: the engine's server does that).
-    """
-    path: str | None
-    if os.path.isdir(model):
-        path = os.path.join(model, "config.json")
-    else:
+Runs an engine's own OpenAI-compatible server on a persistent, shared prompt cache.
+
+engines:
+  mlx-lm     text models (mlx_lm.server; pip install 'mlxcache[lm]')
+  mlx-vlm    vision-language models (mlx_vlm.server; pip install 'mlxcache[vlm]')
+  vllm-mlx   vllm-mlx's server (its own venv: scripts/vllm_venv.sh)
+  Without --engine the model's config.json picks one (a vision_config means mlx-vlm, else
+  mlx-lm); only that file is fetched for a Hugging Face id not yet downloaded.
+
+every engine:
+  --host HOST   default {DEFAULT_HOST} (this machine only: the cache holds every user's
+                prompts); --host 0.0.0.0 opens the server to the network
+  --cache URI   default $MLXCACHE_URL, else {DEFAULT_URL}
+  a request's "cache_salt" (body) or X-Cache-Salt header keeps its cache entries its own
+  mlxcache serve --engine ENGINE --help lists that engine's options.
+"""
+
+
+def _engine_help(engine: str, rest: list[str]) -> int:
+    """The overview, then ``engine``'s own options when it is installed (exit 0 either way)."""
+    print(HELP)
+    if engine == "vllm-mlx":
+        from mlxcache.integrations.vllm_mlx.server import main as vllm_main
+
+        return vllm_main(rest)
+    if engine == "mlx-vlm":
+        problem = version_problem()
+        if problem:
+            print(f"({problem})")
+            return 0
+        from mlxcache.integrations.mlx_vlm.server import main as vlm_main
+
+        return vlm_main(rest)
+    from mlxcache.integrations.mlx_lm.server import INSTALL_HINT, installed
+    from mlxcache.integrations.mlx_lm.server import main as lm_main
+
+    if not installed():
+        print(f"({INSTALL_HINT})")
+        return 0
+    return lm_main(rest)
+
+
+def engine_problem(engine: str) -> str | None:
+    """One line saying why ``engine`` cannot run here (not installed, untested version), or None."""
+    if engine == "mlx-vlm":
+        return version_problem()
+    if engine == "vllm-mlx":
+        from mlxcache.integrations.vllm_mlx.seam import VllmMlxVersionError, check_version
+
         try:
-            from huggingface_hub import try_to_load_from_cache
-
-            found = try_to_load_from_cache(model, "config.json")
-        except Exception:  # not a repo id
-            found = None
-        path = found if isinstance(found, str) else None
-    if path is None or not os.path.isfile(path):
+            check_version()
+        except VllmMlxVersionError as exc:
+            return str(exc)
         return None
-    with open(path) as f:
-        config = json.load(f)
-    if not isinstance(config, dict):
-        raise ValueError(f"{path} is not a JSON object")
-    return config
+    from mlxcache.integrations.mlx_lm.server import INSTALL_HINT, installed
+
+    return None if installed() else INSTALL_HINT
 
 
-def pick_engine(config: dict) -> str:
-    """mlx-vlm for a config with a ``vision_config``, else mlx-lm."""
-    return "mlx-vlm" if isinstance(config.get("vision_config"), dict) else "mlx-lm"
+def _start_checks(engine: str | None, model: str | None, host: str, port_text: str | None) -> str:
+    """The engine to run, after every check that needs no model weights (``StartError``)."""
+    if engine is not None and (problem := engine_problem(engine)):
+        raise StartError(problem)
+    if model is not None:
+        config = model_config(model, engine)
+        if engine is None:
+            engine = pick_engine(config)
+            has = "has a" if engine == "mlx-vlm" else "has no"
+            print(f"mlxcache serve: engine {engine} (the model's config.json {has} "
+                  "vision_config)", flush=True)  # fmt: skip
+            if problem := engine_problem(engine):
+                raise StartError(problem)
+    if engine is None:  # no --model (mlx-lm's server then loads one per request)
+        engine = "mlx-lm"
+        if problem := engine_problem(engine):
+            raise StartError(problem)
+    if model is not None:
+        check_weights(model, engine)
+    try:
+        port = DEFAULT_PORTS[engine] if port_text is None else int(port_text)
+    except ValueError:
+        raise StartError(f"--port {port_text}: not a number") from None
+    check_address(host, port)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"mlxcache serve: {engine} will listen on http://{shown}:{port}", flush=True)
+    return engine
 
 
 def serve(argv: Sequence[str]) -> int:
@@ -98,6 +167,8 @@ def serve(argv: Sequence[str]) -> int:
     try:
         engine, rest = _take(argv, "--engine")
         model, _ = _take(rest, "--model")
+        host, _ = _take(rest, "--host")
+        port_text, _ = _take(rest, "--port")
     except ValueError as exc:
         print(f"mlxcache: error: {exc}", file=sys.stderr)
         return 2
@@ -107,26 +178,21 @@ def serve(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
-    helping = "-h" in rest or "--help" in rest
-    if engine is None and model is not None and not helping:
-        try:
-            config = model_config(model)
-        except (OSError, ValueError) as exc:
-            print(f"mlxcache: error: --model {model}: unreadable config: {exc}", file=sys.stderr)
-            return 1
-        if config is not None:  # else mlx-lm, the default, whose server fetches the model
-            engine = pick_engine(config)
-            why = "has a vision_config" if engine == "mlx-vlm" else "has no vision_config"
-            print(f"mlxcache serve: engine {engine} (the model's config {why})", file=sys.stderr)
-    if engine == "vllm-mlx":  # checks its own version range before it imports vllm-mlx
+    if "-h" in rest or "--help" in rest:
+        return _engine_help(engine or "mlx-lm", rest)
+    if host is None:
+        host = DEFAULT_HOST
+        rest += ["--host", host]
+    try:
+        engine = _start_checks(engine, model, host, port_text)
+    except StartError as exc:
+        print(f"mlxcache: error: {exc}", file=sys.stderr)
+        return 1
+    if engine == "vllm-mlx":
         from mlxcache.integrations.vllm_mlx.server import main as vllm_main
 
         return vllm_main(rest)
     if engine == "mlx-vlm":
-        problem = version_problem()
-        if problem:
-            print(f"mlxcache: error: {problem}", file=sys.stderr)
-            return 1
         from mlxcache.integrations.mlx_vlm.server import main as vlm_main
 
         return vlm_main(rest)

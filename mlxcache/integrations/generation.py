@@ -195,12 +195,18 @@ def stream_result(
 
 
 def timed_from(steps: Iterable[GenerationStep], t0: float) -> Iterator[GenerationStep]:
-    """``steps`` with the first token's time counted from ``t0``: a wrapper that encodes the
-    prompt first makes its time to first token include that work, as the engines count it."""
+    """``steps`` timed on one clock started at ``t0``: a wrapper that encodes the prompt first
+    counts that work in the time to first token and in the total time, as the engines do."""
+    result = None
     for step in steps:
-        if len(step.result.tokens) == 1:
-            step.result.time_to_first_token = time.perf_counter() - t0
+        result = step.result
+        now = time.perf_counter() - t0
+        if len(result.tokens) == 1:
+            result.time_to_first_token = now
+        result.total_time = now
         yield step
+    if result is not None:  # the steps' own clock set it last, from their later start
+        result.total_time = time.perf_counter() - t0
 
 
 def run_to_end(steps: Iterable[GenerationStep], t0: float | None = None) -> GenerationResult:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-DEFAULT_CACHE_HELP = "cache URI (default: $MLXCACHE_URL, else file://~/.cache/mlxcache)"
+DEFAULT_CACHE_HELP = (
+    "cache URI (default: $MLXCACHE_URL, else file://~/.cache/mlxcache?max_bytes=20GiB)"
+)
 
 
 def cache_options(

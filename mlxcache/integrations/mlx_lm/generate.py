@@ -414,5 +414,4 @@ def cached_generate(
     """Generate for a prompt on a cache; ``.text`` equals ``mlx_lm.generate``'s answer.
 
     ``kwargs`` are ``stream_cached_generate``'s (``cache``, ``max_tokens``, ...)."""
-    t0 = time.perf_counter()
-    return run_to_end(stream_cached_generate(model, tokenizer, prompt, **kwargs), t0)
+    return run_to_end(stream_cached_generate(model, tokenizer, prompt, **kwargs))

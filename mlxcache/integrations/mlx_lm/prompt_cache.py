@@ -19,7 +19,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +28,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 
 from mlxcache.backends.base import CacheBackend
 from mlxcache.backends.writer import BackgroundWriter
+from mlxcache.integrations.request_salt import join_salt
 from mlxcache.prefix.cache import PrefixCache
 from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
@@ -73,6 +74,13 @@ def _trimmed_copy(prompt_cache: Sequence[Any], n: int) -> list[Any] | None:
         for c in prompt_cache
     ]
     return out if trim_prompt_cache(out, n) == n else None
+
+
+class Salted(NamedTuple):
+    """A model key with a request's own salt (``request_salt``): its own hot and shared keys."""
+
+    model: Any
+    salt: str
 
 
 class SharedPromptCache(LRUPromptCache):
@@ -146,23 +154,27 @@ class SharedPromptCache(LRUPromptCache):
     # ---------------------------------------------------------------- the shared tier
 
     def prefix_cache(self, model: Any) -> PrefixCache | None:
-        """The ``PrefixCache`` of a model key (None when the shared tier is off)."""
+        """The ``PrefixCache`` of a model key (None when the shared tier is off).
+
+        A ``Salted`` key is its model's, with the request's salt joined to ``salt``."""
         if self.backend is None:
             return None
-        name = self.identity(model)
-        pc = self._prefix.get(name)
+        request = model.salt if isinstance(model, Salted) else ""
+        name = self.identity(model.model if isinstance(model, Salted) else model)
+        salt = join_salt(self.salt, request)
+        pc = self._prefix.get(name if not request else f"{name}\x1f{salt}")
         if pc is None:
             pc = PrefixCache(
                 self.backend,
                 model=name,
                 block_size=self.block_size,
-                salt=self.salt,
+                salt=salt,
                 kv_bits=self.kv_bits,
                 kv_group_size=self.kv_group_size,
                 hot_bytes=self.hot_bytes,
                 hot_probe=self.hot_probe,
             )
-            self._prefix[name] = pc
+            self._prefix[name if not request else f"{name}\x1f{salt}"] = pc
         return pc
 
     def _count(self, **kw: int) -> None:

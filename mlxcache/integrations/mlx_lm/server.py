@@ -2,14 +2,17 @@
 
 mlx-lm parses its options, loads the model and answers requests with its handler and its
 ``ResponseGenerator``; the only change is the prompt cache (``SharedPromptCache`` on ``--cache
-URI``, with ``--prompt-cache-size`` and ``--prompt-cache-bytes`` held by the hot tier) and
-that a response ends only once its prompt cache is stored, so a server killed right after
-answering has lost nothing it answered.
+URI``, with ``--prompt-cache-size`` and ``--prompt-cache-bytes`` held by the hot tier), a
+request's own ``cache_salt`` on its keys (``served_cache``), and that a response ends only once
+its prompt cache is stored, so a server killed right after answering has lost nothing it
+answered.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import logging
 import os
 import sys
@@ -19,15 +22,31 @@ from queue import Queue
 from typing import Any
 
 from mlxcache.integrations import served_model
+from mlxcache.integrations.request_salt import HEADER as SALT_HEADER
+from mlxcache.integrations.request_salt import SaltError, request_salt
 from mlxcache.integrations.server_options import cache_options
 from mlxcache.prefix.model_id import model_identity
 from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
 
 log = logging.getLogger("mlxcache")
+_HANDLER = threading.local()  # the salt of the request the handler thread is putting
 
 INSTALL_HINT = "mlxcache serve needs mlx-lm: pip install 'mlxcache[lm]'"
 END_TIMEOUT = 10.0  # seconds a response waits for its store at most
+
+
+class StartFailed(Exception):
+    """The server cannot start (the model does not load, the port is taken): one line."""
+
+
+def installed() -> bool:
+    """Whether mlx-lm (this engine) can be imported."""
+    try:
+        import mlx_lm.server  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _options() -> argparse.ArgumentParser:
@@ -70,14 +89,19 @@ def key_name(model_key: Any, override: str | None) -> str:
 class _HeldEnd:
     """Forwards a response queue but holds its end marker until the prompt cache has stored."""
 
-    def __init__(self, queue: Queue, prompt_cache: Any, timeout: float = END_TIMEOUT) -> None:
+    def __init__(
+        self, queue: Queue, prompt_cache: Any, salt: str = "", timeout: float = END_TIMEOUT
+    ) -> None:
         self._queue, self._cache, self._timeout = queue, prompt_cache, timeout
+        self.salt = salt
         self._lock = threading.Lock()
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
         if item is not None or not hasattr(self._cache, "after_next_insert"):
             self._queue.put(item, *args, **kwargs)
             return
+        if hasattr(self._cache, "salt_next_insert"):  # the insert that follows is this request's
+            self._cache.salt_next_insert(self.salt)
         sent = [False]
 
         def release() -> None:
@@ -103,7 +127,10 @@ class _Requests(Queue):
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(item, tuple) and item and isinstance(item[0], Queue):
-            item = (_HeldEnd(item[0], self._cache), *item[1:])
+            salt = getattr(_HANDLER, "salt", "")  # put on the handler's thread
+            if len(item) > 1 and salt:
+                item[1].mlxcache_salt = salt  # read back by _tokenize, on the generation thread
+            item = (_HeldEnd(item[0], self._cache, salt), *item[1:])
         super().put(item, *args, **kwargs)
 
 
@@ -121,27 +148,52 @@ def _response_generator_class():
         def requests(self, _queue: Queue) -> None:  # set once by ResponseGenerator.__init__
             self._mlxcache_requests = _Requests(self.prompt_cache)
 
-        def _log_cache_stats(self) -> None:
-            super()._log_cache_stats()
-            s = self.prompt_cache.stats()
-            log.info(
-                "mlxcache prompt cache: hot %d entries %d bytes (max %d), "
-                "hot hits %d, backend hits %d, misses %d, stored %d tokens, errors %d",
-                s["hot_entries"], s["hot_bytes"], s["max_bytes"], s["hot_hits"],
-                s["backend_hits"], s["misses"], s["tokens_stored"],
-                s["store_errors"] + s["lookup_errors"],
-            )  # fmt: skip
+        def _tokenize(self, tokenizer, request, args):  # its prompt is looked up next
+            if hasattr(self.prompt_cache, "use_salt"):
+                self.prompt_cache.use_salt(getattr(request, "mlxcache_salt", ""))
+            return super()._tokenize(tokenizer, request, args)
 
     return CachedResponseGenerator
 
 
 def _metrics_handler(base: type, prompt_cache: Any) -> type:
-    """mlx-lm's handler plus ``GET /metrics``: Prometheus text of the shared cache.
+    """mlx-lm's handler plus ``GET /metrics`` (Prometheus text of the shared cache) and each
+    POST's ``cache_salt`` (``request_salt``: a bad one is answered 400).
 
     Without prometheus_client (the metrics extra) ``/metrics`` answers 501 saying so.
     """
 
     class MetricsHandler(base):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            """Read the request's ``cache_salt`` (body or header), then mlx-lm's own handling."""
+            try:
+                length = int(self.headers.get("Content-Length") or "")
+                raw = self.rfile.read(length)  # type: ignore[has-type]
+            except ValueError:
+                return super().do_POST()  # mlx-lm answers a missing or bad length
+            try:
+                body = json.loads(raw)
+            except ValueError:
+                body = None  # mlx-lm answers invalid JSON
+            try:
+                salt = request_salt(body, self.headers.get(SALT_HEADER))
+            except SaltError as exc:
+                return self._refuse(str(exc))
+            stream, self.rfile = self.rfile, io.BytesIO(raw)  # type: ignore[has-type]
+            _HANDLER.salt = salt
+            try:
+                super().do_POST()
+            finally:
+                self.rfile, _HANDLER.salt = stream, ""
+
+        def _refuse(self, message: str) -> None:
+            body = json.dumps({"error": message}).encode()
+            self.send_response(400)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             if self.path.split("?")[0] != "/metrics":
                 return super().do_GET()
@@ -170,10 +222,17 @@ def make_run(options: argparse.Namespace):
     import mlx.core as mx
     from mlx_lm import server
 
-    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache  # imports mlx-lm
+    from mlxcache.integrations.mlx_lm.served_cache import ServedPromptCache  # imports mlx-lm
 
     def run(host, port, model_provider, server_class=None, handler_class=None):
         cli = model_provider.cli_args
+        if cli.model is not None:  # load before the port opens: a bad model is one line
+            try:
+                model_provider.load_default()
+            except Exception as exc:
+                text = str(exc).strip()
+                reason = text.splitlines()[0] if text else type(exc).__name__
+                raise StartFailed(f"--model {cli.model}: mlx-lm cannot load it: {reason}") from None
         names: dict[Any, str] = {}
 
         def identity(model_key: Any) -> str:
@@ -184,7 +243,7 @@ def make_run(options: argparse.Namespace):
             return names[model_key]
 
         max_bytes = cli.prompt_cache_bytes if cli.prompt_cache_bytes is not None else 1 << 63
-        prompt_cache = SharedPromptCache(
+        prompt_cache = ServedPromptCache(
             cli.prompt_cache_size,
             max_bytes,
             backend=options.backend,
@@ -207,6 +266,9 @@ def make_run(options: argparse.Namespace):
                 server._run_http_server(host, port, generator, **kwargs)
             else:
                 generator.join()
+        except OSError as exc:  # the port was taken while the model loaded
+            generator.stop_and_join()
+            raise StartFailed(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         finally:
             prompt_cache.close()
 
@@ -241,6 +303,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.argv = ["mlxcache serve", *rest]
     try:
         server.main()
+    except StartFailed as exc:
+        print(f"mlxcache: error: {exc}", file=sys.stderr)
+        return 1
     except SystemExit as exc:  # argparse's --help and usage errors
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:

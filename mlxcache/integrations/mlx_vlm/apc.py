@@ -243,4 +243,35 @@ def install(
 
     done.replace(_apc, "hash_image_payload", hash_image_payload)
     done.replace(_apc, "from_env", from_env)
+    done.replace(_apc, "self_check_model_apc", _self_check(_apc.self_check_model_apc))
     return done
+
+
+def _self_check(original: Callable[..., Any]) -> Callable[..., Any]:
+    """mlx-vlm's APC self-check without its false alarm, and one line saying what is cached.
+
+    mlx-vlm's check fails every model whose language model has no ``make_cache``, yet its
+    generator then builds one default cache per layer (``models.cache.make_prompt_cache``) and
+    its APC runs in block mode (``model_apc_mode``): that layout is checked instead.
+    """
+
+    def self_check_model_apc(model: Any, *, kv_bits: Any = None, log: bool = True) -> Any:
+        language_model = getattr(model, "language_model", model)
+        if hasattr(language_model, "make_cache"):
+            result = original(model, kv_bits=kv_bits, log=False)
+        else:
+            from mlx_vlm.models.cache import make_prompt_cache
+
+            caches = make_prompt_cache(language_model)
+            result = _apc.validate_prompt_cache_layout(caches, apc_mode="block")
+        if log and result.ok:
+            kinds = ",".join(sorted(set(result.layer_types))) or "-"
+            logging.getLogger("mlxcache").info(
+                "mlxcache APC: the prompt cache (%d layers: %s, mode %s) is stored in the "
+                "shared prefix cache", result.layer_count, kinds, result.apc_mode,
+            )  # fmt: skip
+        elif log:
+            return original(model, kv_bits=kv_bits, log=True)  # its own error line says why
+        return result
+
+    return self_check_model_apc

@@ -475,5 +475,4 @@ def cached_generate(
     """Generate for a prompt and images on a cache; ``.text`` holds the answer.
 
     ``kwargs`` are ``stream_cached_generate``'s (``cache``, ``max_tokens``, ...)."""
-    t0 = time.perf_counter()
-    return run_to_end(stream_cached_generate(model, processor, prompt, images, **kwargs), t0)
+    return run_to_end(stream_cached_generate(model, processor, prompt, images, **kwargs))

@@ -35,7 +35,6 @@ def _options() -> argparse.ArgumentParser:
         "mlxcache serve --engine mlx-vlm",
         "mlx-vlm's server (every mlx_vlm.server option) with its prefix cache on mlxcache. "
         "mlxcache's own options:",
-        cache_help="cache URI (default: $MLXCACHE_URL, else the folder)",
     )
 
 
@@ -114,6 +113,7 @@ def _model_check(app: Any, served: str | None) -> None:
 
 def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     """Put mlxcache into mlx-vlm's server (see the module docstring); returns the undo."""
+    from mlxcache.integrations.mlx_vlm import salts
     from mlxcache.integrations.mlx_vlm.apc import install
     from mlxcache.integrations.mlx_vlm.models import refused_type
     from mlxcache.integrations.mlx_vlm.server_vision import VisionBinder
@@ -145,6 +145,7 @@ def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     )
     app_module = importlib.import_module("mlx_vlm.server.app")
     installed.replace(app_module, "VisionFeatureCache", vision.make)
+    salts.install(installed)  # a request's cache_salt joins its keys
     from mlx_vlm.server import app
 
     _metrics_route(app, installed, backend)

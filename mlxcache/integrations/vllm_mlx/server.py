@@ -70,12 +70,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _options()
     options, rest = parser.parse_known_args(argv)
-    if "-h" in rest or "--help" in rest:
+    helping = "-h" in rest or "--help" in rest
+    if helping:
         parser.print_help()
         print()
     try:
         version = seam.check_version()
     except seam.VllmMlxVersionError as exc:
+        if helping:  # help works without the engine: it says what to install
+            print(f"({exc})")
+            return 0
         print(f"mlxcache: error: {exc}", file=sys.stderr)
         return 1
     from vllm_mlx import cli
@@ -103,10 +107,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         from vllm_mlx import server
 
+        from mlxcache.integrations.vllm_mlx import salts
+
         _metrics_route(server.app)
+        salts.install(server.app)  # a request's cache_salt joins its keys
         log.info("mlxcache serve: vllm-mlx %s on %r", version, backend)
-        return _run(cli, _vllm_argv(model, rest))
+        try:
+            return _run(cli, _vllm_argv(model, rest))
+        except Exception as exc:  # its model load, before uvicorn opens the port
+            text = str(exc).strip()
+            reason = text.splitlines()[0] if text else type(exc).__name__
+            print(f"mlxcache: error: --model {model}: vllm-mlx cannot load it: {reason}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
     finally:
+        from mlxcache.integrations.vllm_mlx import salts
+
+        salts.uninstall()
         seam.uninstall()
         backend.close()
 

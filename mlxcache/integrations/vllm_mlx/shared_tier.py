@@ -31,11 +31,13 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxcache.backends.base import CacheBackend
+from mlxcache.integrations.request_salt import join_salt
 from mlxcache.integrations.serve_errors import ServeErrors
+from mlxcache.integrations.vllm_mlx import salts
 from mlxcache.prefix import PrefixCache
 from mlxcache.prefix.model_id import model_identity
 
@@ -223,12 +225,46 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
             tier_config = type(self).mlxcache_config
             revision = getattr(self, "_model_revision", None)
             self.mlxcache_tier = SharedTier(tier_config, identity(model, tier_config, revision))
+            self.mlxcache_salted: dict[str, SharedTier] = {}  # a request salt's own tier
             log.info("vllm-mlx shared tier: %s on %r", self.mlxcache_tier.model_id,
                      tier_config.backend)  # fmt: skip
 
+        def _tier(self, salt: str) -> SharedTier:
+            if not salt:
+                return self.mlxcache_tier
+            tier = self.mlxcache_salted.get(salt)
+            if tier is None:
+                base = self.mlxcache_tier
+                joined = replace(base.config, salt=join_salt(base.config.salt, salt))
+                tier = self.mlxcache_salted[salt] = SharedTier(joined, base.model_id)
+            return tier
+
         def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
-            cache, remaining = super().fetch(tokens)
-            self.mlxcache_tier.seen(tokens)
+            salt = salts.admitting()  # the request being admitted (salts.py); "" for none
+            salts.remember(tokens)
+            if salt:
+                cache, remaining = super().fetch(salts.salted(tokens, salt))
+                remaining = salts.unsalted(remaining)
+            else:
+                cache, remaining = super().fetch(tokens)
+            return self._shared_fetch(tokens, cache, remaining, self._tier(salt))
+
+        def prepare_store(self, tokens: list[int], cache: list[Any], *args: Any, **kw: Any):
+            found = salts.salts_of(tokens)
+            if len(found) > 1:  # prompts of several salts share these tokens: not stored
+                return None
+            return super().prepare_store(salts.salted(tokens, found.pop()), cache, *args, **kw)
+
+        def remove(self, tokens: list[int], *args: Any, **kwargs: Any) -> bool:
+            removed = False
+            for salt in salts.salts_of(tokens):
+                removed = super().remove(salts.salted(tokens, salt), *args, **kwargs) or removed
+            return removed
+
+        def _shared_fetch(
+            self, tokens: list[int], cache: Any, remaining: list[int], tier: SharedTier
+        ) -> tuple[list[Any] | None, list[int]]:
+            tier.seen(tokens)
             kind: str | None = getattr(self, "_last_match_type", None)
             if len(tokens) < max(2, self._config.min_prefix_tokens):
                 return cache, remaining
@@ -237,7 +273,7 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
                 have = 0
             elif have >= len(tokens) - 1:
                 return cache, remaining
-            hit = self.mlxcache_tier.lookup(tokens, have)
+            hit = tier.lookup(tokens, have)
             if hit is None:
                 return cache, remaining
             n, layers = hit
@@ -253,7 +289,8 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
         def commit_prepared(self, entry: Any, *args: Any, **kwargs: Any) -> bool:
             ok = super().commit_prepared(entry, *args, **kwargs)
             if ok:
-                self.mlxcache_tier.store(entry.tokens, _plain_layers(list(entry.cache)))
+                tier = self._tier(salts.key_salt(entry.tokens))
+                tier.store(salts.unsalted(entry.tokens), _plain_layers(list(entry.cache)))
             return ok
 
         def get_stats(self) -> dict[str, Any]:
