@@ -194,6 +194,11 @@ def stream_result(
     result.total_time = time.perf_counter() - t0
 
 
+def tokens_only(steps: Iterable[tuple[int, Any]]) -> Iterator[int]:
+    """The tokens of ``(token, logprobs)`` pairs."""
+    return (token for token, _ in steps)
+
+
 def timed_from(steps: Iterable[GenerationStep], t0: float) -> Iterator[GenerationStep]:
     """``steps`` timed on one clock started at ``t0``: a wrapper that encodes the prompt first
     counts that work in the time to first token and in the total time, as the engines do."""

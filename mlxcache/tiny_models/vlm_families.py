@@ -241,20 +241,19 @@ def gemma3_config(ids: Ids, vocab_size: int, text: dict[str, Any]) -> dict[str, 
     }
 
 
-QWEN2_VL = VlmFamily(
-    _QWEN_SPECIAL_TOKENS,
-    _QWEN_CHAT_TEMPLATE,
-    qwen2_vl_config,
-    _qwen_tokenizer("Qwen2VLProcessor"),
-    {"preprocessor_config.json": _qwen_preprocessor("Qwen2VL", 14)},
-)
-QWEN3_VL = VlmFamily(
-    _QWEN_SPECIAL_TOKENS,
-    _QWEN_CHAT_TEMPLATE,
-    qwen3_vl_config,
-    _qwen_tokenizer("Qwen3VLProcessor"),
-    {"preprocessor_config.json": _qwen_preprocessor("Qwen3VL", 16)},
-)
+def _qwen_family(kind: str, patch: int, config: Any) -> VlmFamily:
+    """A Qwen-VL family: its tokens and chat template, ``config``, ``<kind>Processor`` files."""
+    return VlmFamily(
+        _QWEN_SPECIAL_TOKENS,
+        _QWEN_CHAT_TEMPLATE,
+        config,
+        _qwen_tokenizer(f"{kind}Processor"),
+        {"preprocessor_config.json": _qwen_preprocessor(kind, patch)},
+    )
+
+
+QWEN2_VL = _qwen_family("Qwen2VL", 14, qwen2_vl_config)
+QWEN3_VL = _qwen_family("Qwen3VL", 16, qwen3_vl_config)
 GEMMA3 = VlmFamily(
     _GEMMA_SPECIAL_TOKENS,
     _GEMMA_CHAT_TEMPLATE,

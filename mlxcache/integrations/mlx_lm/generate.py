@@ -31,6 +31,7 @@ from mlxcache.integrations.generation import (
     sample_tokens,
     stream_result,
     timed_from,
+    tokens_only,
 )
 from mlxcache.integrations.resume import log
 
@@ -237,8 +238,7 @@ def decode(model: Any, state: Prefill, **kwargs: Any) -> Iterator[int]:
     ``kwargs`` are ``decode_steps``'s: pass the ``logits_processors`` and KV quantization
     options given to ``prefill``.
     """
-    for token, _ in decode_steps(model, state, **kwargs):
-        yield token
+    return tokens_only(decode_steps(model, state, **kwargs))
 
 
 def decode_steps(

@@ -34,6 +34,7 @@ from mlxcache.integrations.generation import (
     sample_tokens,
     stream_result,
     timed_from,
+    tokens_only,
 )
 from mlxcache.integrations.mlx_vlm import engine
 from mlxcache.integrations.mlx_vlm.prefill import (
@@ -67,8 +68,7 @@ def decode(model: Any, state: Prefill, **kwargs: Any) -> Iterator[int]:
     """Sample up to ``max_tokens`` tokens from a Prefill, stopping after an EOS token.
 
     ``kwargs`` are ``decode_steps``'s."""
-    for token, _ in decode_steps(model, state, **kwargs):
-        yield token
+    return tokens_only(decode_steps(model, state, **kwargs))
 
 
 def decode_steps(
