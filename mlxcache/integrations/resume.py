@@ -52,6 +52,13 @@ def unsupported_cache_reason(prompt_cache: Sequence[Any]) -> str | None:
     return None
 
 
+def holds_window(prompt_cache: Sequence[Any]) -> bool:
+    """Whether a cache has window layers (RotatingKVCache...), which drop their old tokens."""
+    return any(
+        (f := adapters.find(c)) is not None and f[1].window is not None for c in prompt_cache
+    )
+
+
 def same_layout(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:
     """Whether a restored cache has the fresh cache's layers: same classes, same shapes."""
     if len(restored) != len(fresh):
@@ -164,13 +171,33 @@ def finish_prompt(
     """Extend a cache holding ``tokens[:start]`` to all but the last token, store, run the last.
 
     With ``cache`` (a PrefixCache) the state before the last token is stored when something was
-    new. Returns the last token's ``run`` output and how many tokens the store kept.
+    new; with window layers, each chunk's whole blocks too, right after the chunk. Returns the
+    last token's ``run`` output and how many tokens the stores kept.
     """
     n = len(tokens)
-    extend(run, prompt_cache, start, n - 1, step_size=step_size, after_chunk=after_chunk)
     stored = 0
+    each = after_chunk
+    if cache is not None and holds_window(prompt_cache):
+        # a window layer drops old tokens in the next chunk: store each chunk's whole blocks
+        # while it holds them (the store at the end writes the rest)
+        def each(e: int) -> None:
+            nonlocal stored
+            if e < n - 1:
+                kept = cache_call(
+                    "store",
+                    cache.store,
+                    list(tokens[:e]),
+                    prompt_cache,
+                    images=images,
+                    blocks_only=True,
+                )
+                stored += kept or 0
+            if after_chunk is not None:
+                after_chunk(e)
+
+    extend(run, prompt_cache, start, n - 1, step_size=step_size, after_chunk=each)
     if cache is not None and n - 1 > start:
-        stored = store(
+        stored += store(
             cache,
             tokens[:-1],
             prompt_cache,

@@ -164,9 +164,13 @@ class PrefixCache:
         image_positions: Sequence[int] | None = None,
         background: bool = False,
         pin: bool = False,
+        blocks_only: bool = False,
     ) -> int:
         """Store the cache of exactly ``token_ids``; returns how many new tokens the store kept.
 
+        ``blocks_only=True`` writes the whole blocks only (no tail, partial block, vision entry
+        nor hot entry): a long prefill's store after each chunk, so a window layer's blocks are
+        written while it still holds them; the store at the prompt's end writes the rest.
         ``pin=True`` pins every record of this prompt (those already stored too), so LRU
         eviction and expiry never take them (a backend with ``pinnable`` only; see
         docs/backends.md).
@@ -193,13 +197,17 @@ class PrefixCache:
             pr.check_lengths(layers, n)
         lay = pr.layout(layers)
         n_full, r = divmod(n, bs)
+        if blocks_only:
+            r, extras, vision_embeddings = 0, None, None
         # (key, block index, tokens in it) for blocks; then the tail; then the vision entry
         blocks = [(self._key("b", h), i, bs) for i, h in enumerate(plan.full(n_full))]
         if r:
             blocks.append((self._key("b", plan.partial(n_full, r)), n_full, r))
         keys = [k for k, _, _ in blocks]
         tail_key = (
-            self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1]) if n else None
+            self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1])
+            if n_full + r and not blocks_only
+            else None
         )
         if tail_key:
             keys.append(tail_key)
@@ -222,16 +230,18 @@ class PrefixCache:
         if vkey and not exists[-1]:
             vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
         todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
+        views = pr.window_views(layers, lay) if n else {}  # what window layers still hold
         for (key, i, m), there in zip(blocks, exists, strict=False):
             if not there:
                 rec = pr.block_record(
-                    layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant
+                    layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant, views
                 )
-                todo.append((key, rec, m))
+                if rec is not None:  # None: a window layer dropped some of its tokens
+                    todo.append((key, rec, m))
         for end_key, end in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if end is not None:  # built only under a key
                 todo.append((cast(str, end_key), end, 0))
-        if self._hot is not None and n and self.kv_quant is None:
+        if self._hot is not None and n and self.kv_quant is None and not blocks_only:
             # quantized: only backend hits (dequantized) go hot: a prefix decodes the same
             self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:

@@ -52,9 +52,12 @@ def rebuild(
     if p:
         blocks.append((key("b", plan.partial(a, p)), a, p))
     out: list[tuple[str, Record]] = []
+    views = pr.window_views(layers, lay)
     for k, i, m in blocks:
-        if k in wanted:
-            out.append((k, pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m)))
+        if k in wanted:  # a block a window layer no longer holds is not rebuilt (None)
+            rec = pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m, None, views)
+            if rec is not None:
+                out.append((k, rec))
     sibling = None
     tail_key = key("t", plan.partial(a, p) if p else plan.full(a)[-1])
     if entry.stored and tail_key in wanted:

@@ -1,11 +1,16 @@
 """PrefixCache records: per-block KV slices, whole-prefix checkpoints and extras.
 
 A prompt cache is a list of layers. Layers whose state is a plain token sequence (KVCache and
-its kin: their adapter is ``per_block``) are cut into blocks: a block record holds only that block's
-keys/values. Every other layer (RotatingKVCache, ArraysCache, ChunkedKVCache, ...) is a
-*checkpoint* layer: its whole state goes, through the prompt-cache serializer, into the tail
-record of one stored length. The treatment is decided by class, never by state, so every block
-record of a model has the same layout.
+its kin: their adapter is ``per_block``, tag ``b:``) are cut into blocks: a block record holds
+only that block's keys/values. Window layers (RotatingKVCache, ChunkedKVCache: their adapter
+has a ``window``, tag ``w:``) are stored per block too, each block sliced from what the state
+still holds (a block whose positions the layer dropped is not written), and rebuilt at any
+boundary from the positions they need there (serializers/windows.py). Every other layer
+(ArraysCache, BufferedRotatingKVCache, ...) is a *checkpoint* layer (``c:``): its whole state
+goes, through the prompt-cache serializer, into the tail record of one stored length. The
+treatment is decided by class, never by state, so every block record of a model has the same
+layout. Records written before window layers existed name them ``c:``: their layout differs,
+so they never mix with new ones (a miss at a block boundary, a hit at their stored lengths).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mlxcache.records.record import Record
 from mlxcache.serializers import adapters, kv_quant
 from mlxcache.serializers.kv_quant import KVQuant
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
+from mlxcache.serializers.windows import Held
 
 
 class RecordMismatch(ValueError):
@@ -27,11 +33,12 @@ class RecordMismatch(ValueError):
 
 
 def layer_tag(layer: Any) -> str:
-    """``"b:mlx_vlm.KVCache"`` for a block layer, ``"c:<module>.<Class>"`` for a checkpoint."""
+    """``"b:mlx_vlm.KVCache"`` for a block layer, ``"w:mlx_lm.RotatingKVCache"`` for a window
+    layer, ``"c:<module>.<Class>"`` for a checkpoint."""
     found = adapters.find(layer)
-    if found is not None and found[1].per_block:
+    if found is not None and (found[1].per_block or found[1].window is not None):
         lib, name = found[0]
-        return f"b:{lib}.{name}"
+        return f"{'b' if found[1].per_block else 'w'}:{lib}.{name}"
     cls = type(layer)
     return f"c:{cls.__module__}.{cls.__name__}"
 
@@ -61,6 +68,19 @@ def check_lengths(prompt_cache: Sequence[Any], num_tokens: int) -> None:
             )
 
 
+def _stored_per_block(tag: str) -> bool:
+    return tag.startswith(("b:", "w:"))
+
+
+def window_views(prompt_cache: Sequence[Any], lay: list[str]) -> dict[int, Held]:
+    """What each window layer still holds ({layer index: Held}), read once per store."""
+    return {
+        j: adapters.window_held(c)
+        for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True))
+        if tag.startswith("w:")
+    }
+
+
 def _parts(x: Any) -> tuple[mx.array, ...]:
     return tuple(x) if isinstance(x, tuple | list) else (x,)
 
@@ -72,17 +92,30 @@ def block_record(
     tokens: bytes,
     n: int,
     quant: KVQuant | None = None,
-) -> Record:
-    """The block ``[start, start + n)`` of every block layer, as new (sliced) arrays.
+    views: dict[int, Held] | None = None,
+) -> Record | None:
+    """The block ``[start, start + n)`` of every block and window layer, as new (sliced) arrays,
+    or None when a window layer no longer holds all of it (never a wrong block).
 
     Reads each layer through the serializer's adapter; ``params`` keeps the state's other
-    fields (e.g. QuantizedKVCache's group_size and bits) to rebuild the layer with. With
+    fields (e.g. QuantizedKVCache's group_size and bits, a window's size) to rebuild the layer
+    with. ``views`` are :func:`window_views` (read here when not given). With
     ``quant`` each plain key/value array is stored quantized (``meta["kvq"]`` says how); a
     QuantizedKVCache's parts are stored as they are.
     """
+    if views is None:
+        views = window_views(prompt_cache, lay)
     arrays: dict[str, mx.array] = {}
     params: list[Any] = []
     for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True)):
+        if tag.startswith("w:"):
+            held = views[j]
+            got = held.take(start, start + n)
+            if got is None:
+                return None
+            arrays[f"{j}.k0"], arrays[f"{j}.v0"] = got
+            params.append(held.params)
+            continue
         if not tag.startswith("b:"):
             params.append(None)
             continue
@@ -126,7 +159,7 @@ def check_block(
     if not isinstance(params, list) or len(params) != len(own):
         raise RecordMismatch("block params do not match its layout")
     for tag, p in zip(own, params, strict=True):
-        if not (isinstance(p, dict) if tag.startswith("b:") else p is None):
+        if not (isinstance(p, dict) if _stored_per_block(tag) else p is None):
             raise RecordMismatch("block params do not match its layout")
     n = len(tokens) // 8
     for name, a in rec.arrays.items():
@@ -146,7 +179,8 @@ def check_block(
 def join_blocks(
     blocks: Sequence[Record | Placed], lay: list[str], quant: KVQuant | None = None
 ) -> dict[int, Any]:
-    """Rebuild every block layer from consecutive verified blocks: {layer index: cache}.
+    """Rebuild every block and window layer from consecutive verified blocks: {layer index:
+    cache}; a window layer from the positions it needs at the blocks' end.
 
     Placed blocks (the leading records of one ``Joined``) are in their final arrays already;
     Records are concatenated.
@@ -163,9 +197,12 @@ def join_blocks(
     joined = kv_quant.restore(joined, blocks[0].meta.get("kvq"), quant)
     out: dict[int, Any] = {}
     for j, tag in enumerate(lay):
+        lib, _, name = tag[2:].partition(".")
+        if tag.startswith("w:"):
+            out[j] = _join_window(joined, j, lib, name, params[j], n)
+            continue
         if not tag.startswith("b:"):
             continue
-        lib, _, name = tag[2:].partition(".")
         sides = []
         for side in ("k", "v"):
             names = sorted(k for k in joined if k.startswith(f"{j}.{side}"))
@@ -173,6 +210,21 @@ def join_blocks(
             sides.append(parts if len(parts) > 1 else parts[0])
         out[j] = adapters.from_block_state(lib, name, sides[0], sides[1], n, params[j])
     return out
+
+
+def _join_window(
+    joined: dict[str, mx.array], j: int, lib: str, name: str, params: Any, n: int
+) -> Any:
+    """A window layer of ``n`` tokens from its joined rows: the ranges it needs, copied out."""
+    if not isinstance(params, dict) or f"{j}.k0" not in joined or f"{j}.v0" not in joined:
+        raise RecordMismatch("window layer arrays missing from the blocks")
+    need = adapters.window_need(lib, name, params, n)
+    sides = []
+    for side in ("k", "v"):
+        x = joined[f"{j}.{side}0"]
+        parts = [x[..., a:b, :] for a, b in need]
+        sides.append(mx.concatenate(parts, axis=-2) if len(parts) > 1 else mx.contiguous(parts[0]))
+    return adapters.from_window(lib, name, params, sides[0], sides[1], n)
 
 
 def tail_record(
