@@ -443,12 +443,22 @@ def test_malformed_records_are_rejected_never_raised(turn1, kind, change):
     assert pc.stats()["rejected"] >= 2
 
 
+def decoded(model, ids, steps):
+    """The cache after prefilling ``ids`` and feeding ``steps`` more tokens one at a time (the
+    rotating layers wrap past their 64-token window and keep only its last tokens)."""
+    _, cache = prefill(model, ids)
+    for t in steps:
+        prefill(model, [t], cache)
+    return cache
+
+
 def test_malformed_checkpoint_tail_is_a_miss(gemma):
-    ids = prompt(40, seed=30)
-    _, cache = prefill(gemma, ids)
+    ids = prompt(81, seed=30)
+    cache = decoded(gemma, ids[:50], ids[50:])  # past the window: block 1 lacks position 16
     backend = MemoryBackend()
     pc = PrefixCache(backend, model="gemma", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
+    assert pc.lookup(ids).num_tokens == 81  # the tail holds the rotating layers whole
     _rewrite(backend, "tail", lambda m: m.update(ckpt=None))
     assert pc.lookup(ids) is None
     _rewrite(backend, "tail", lambda m: m.update(ckpt={"prompt_cache": 5}))

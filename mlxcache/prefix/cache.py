@@ -222,13 +222,6 @@ class PrefixCache:
             members = [self._key("t", plan.partial(n_full, r)), blocks[-1][0]]
             sibling = (self._key("s", plan.parent(n_full)), plan.block_tokens(n_full, r), members)
         exists = self.backend.contains_many(keys)
-        # build what can fail (unsupported checkpoint classes, bad extras) before any put
-        tail = vision = None
-        if tail_key and not exists[len(blocks)]:
-            last = n_full if r else n_full - 1
-            tail = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
-        if vkey and not exists[-1]:
-            vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
         todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
         views = pr.window_views(layers, lay) if n else {}  # what window layers still hold
         for (key, i, m), there in zip(blocks, exists, strict=False):
@@ -236,8 +229,16 @@ class PrefixCache:
                 rec = pr.block_record(
                     layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant, views
                 )
-                if rec is not None:  # None: a window layer dropped some of its tokens
-                    todo.append((key, rec, m))
+                todo.append((key, rec, m))
+        # build what can fail (unsupported checkpoint classes, bad extras) before any put
+        tail = vision = None
+        if tail_key and not exists[len(blocks)]:
+            last = n_full if r else n_full - 1
+            whole = pr.window_gaps([rec for _, rec, _ in todo], lay, n)  # windows it must hold
+            tokens_last = plan.block_tokens(last, r or None)
+            tail = pr.tail_record(layers, lay, n, tokens_last, extras, whole)
+        if vkey and not exists[-1]:
+            vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
         for end_key, end in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if end is not None:  # built only under a key
                 todo.append((cast(str, end_key), end, 0))

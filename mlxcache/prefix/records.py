@@ -93,9 +93,12 @@ def block_record(
     n: int,
     quant: KVQuant | None = None,
     views: dict[int, Held] | None = None,
-) -> Record | None:
-    """The block ``[start, start + n)`` of every block and window layer, as new (sliced) arrays,
-    or None when a window layer no longer holds all of it (never a wrong block).
+) -> Record:
+    """The block ``[start, start + n)`` of every block and window layer, as new (sliced) arrays.
+
+    A window layer that no longer holds all of the block (it dropped old tokens) is written as
+    zeros and listed in ``meta["absent"]``: never read, but every block of a model keeps one
+    tensor table (file:// joins them), and the other layers' slices are still stored.
 
     Reads each layer through the serializer's adapter; ``params`` keeps the state's other
     fields (e.g. QuantizedKVCache's group_size and bits, a window's size) to rebuild the layer
@@ -107,12 +110,14 @@ def block_record(
         views = window_views(prompt_cache, lay)
     arrays: dict[str, mx.array] = {}
     params: list[Any] = []
+    absent = []
     for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True)):
         if tag.startswith("w:"):
             held = views[j]
             got = held.take(start, start + n)
             if got is None:
-                return None
+                absent.append(j)
+                got = held.zeros(n)
             arrays[f"{j}.k0"], arrays[f"{j}.v0"] = got
             params.append(held.params)
             continue
@@ -125,6 +130,8 @@ def block_record(
             for p, part in enumerate(_parts(x)):
                 arrays[f"{j}.{side}{p}"] = part[..., start : start + n, :]
     meta = {"kind": "block", "start": start, "tokens": tokens, "layout": lay, "params": params}
+    if views:
+        meta["absent"] = absent
     if quant is not None:
         arrays, meta["kvq"] = kv_quant.quantize(arrays, quant)
     return Record(arrays=arrays, meta=meta)
@@ -161,6 +168,7 @@ def check_block(
     for tag, p in zip(own, params, strict=True):
         if not (isinstance(p, dict) if _stored_per_block(tag) else p is None):
             raise RecordMismatch("block params do not match its layout")
+    _check_windows(m.get("absent"), own, "block")
     n = len(tokens) // 8
     for name, a in rec.arrays.items():
         if a.ndim < 2 or a.shape[-2] != n:
@@ -176,8 +184,68 @@ def check_block(
     return list(own)
 
 
+def _check_windows(listed: Any, lay: list[str], what: str) -> None:
+    """A ``meta["absent"]`` / ``meta["windows"]`` list: window layers of ``lay``, each once;
+    none in a layout without window layers (records from before window layers)."""
+    windows = [j for j, t in enumerate(lay) if t.startswith("w:")]
+    if not windows and listed is None:
+        return
+    ok = isinstance(listed, list) and all(type(j) is int and j in windows for j in listed)
+    if not ok or len(set(listed)) != len(listed):
+        raise RecordMismatch(f"{what} window list does not match its layout")
+
+
+def _windows(meta: Mapping[str, Any], field: str) -> set[int]:
+    return set(meta.get(field) or ())
+
+
+def _gap(blocks: Sequence[Record | Placed], j: int, need: list[tuple[int, int]]) -> bool:
+    """Whether window layer ``j`` is absent from a block holding a position in ``need``."""
+    for b in blocks:
+        s = b.meta["start"]
+        e = s + len(b.meta["tokens"]) // 8
+        if j in _windows(b.meta, "absent") and any(s < hi and lo < e for lo, hi in need):
+            return True
+    return False
+
+
+def _need(tag: str, params: Any, n: int) -> list[tuple[int, int]]:
+    lib, _, name = tag[2:].partition(".")
+    if not isinstance(params, dict):
+        raise RecordMismatch("window params are not a dict")
+    return adapters.window_need(lib, name, params, n)
+
+
+def window_gaps(written: Sequence[Record], lay: list[str], n: int) -> list[int]:
+    """Window layers that a tail at ``n`` must carry whole: a block this store writes without
+    them holds positions they need at ``n`` (their older tokens were dropped)."""
+    out = []
+    for j, tag in enumerate(lay):
+        if tag.startswith("w:") and written:
+            params = written[0].meta["params"][j]
+            if _gap(written, j, _need(tag, params, n)):
+                out.append(j)
+    return out
+
+
+def windows_held(blocks: Sequence[Record | Placed], lay: list[str], tail: Record | None) -> bool:
+    """Whether ``blocks`` (consecutive, from 0) and ``tail`` rebuild every window layer."""
+    if not blocks:
+        return True
+    n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
+    whole = _windows(tail.meta, "windows") if tail is not None else set()
+    params = blocks[0].meta["params"]
+    for j, tag in enumerate(lay):
+        if tag.startswith("w:") and j not in whole and _gap(blocks, j, _need(tag, params[j], n)):
+            return False
+    return True
+
+
 def join_blocks(
-    blocks: Sequence[Record | Placed], lay: list[str], quant: KVQuant | None = None
+    blocks: Sequence[Record | Placed],
+    lay: list[str],
+    quant: KVQuant | None = None,
+    skip: set[int] | frozenset[int] = frozenset(),
 ) -> dict[int, Any]:
     """Rebuild every block and window layer from consecutive verified blocks: {layer index:
     cache}; a window layer from the positions it needs at the blocks' end.
@@ -185,7 +253,8 @@ def join_blocks(
     Placed blocks (the leading records of one ``Joined``) are in their final arrays already;
     Records are concatenated.
     ``quant`` is the reader's setting: a block stored otherwise raises (a miss); quantized
-    arrays are joined, then dequantized once to their original dtype.
+    arrays are joined, then dequantized once to their original dtype. Window layers in
+    ``skip`` come from the tail; any other must be held by every block it needs (else raises).
     """
     params = blocks[0].meta["params"]
     n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
@@ -199,7 +268,10 @@ def join_blocks(
     for j, tag in enumerate(lay):
         lib, _, name = tag[2:].partition(".")
         if tag.startswith("w:"):
-            out[j] = _join_window(joined, j, lib, name, params[j], n)
+            if j not in skip:
+                if _gap(blocks, j, _need(tag, params[j], n)):
+                    raise RecordMismatch("a window layer is absent from a block it needs")
+                out[j] = _join_window(joined, j, lib, name, params[j], n)
             continue
         if not tag.startswith("b:"):
             continue
@@ -233,11 +305,17 @@ def tail_record(
     length: int,
     tokens: bytes,
     extras: Mapping[str, Any] | None,
+    windows: Sequence[int] = (),
 ) -> Record:
-    """What one stored length needs besides its blocks: checkpoint layers and extras."""
+    """What one stored length needs besides its blocks: checkpoint layers and extras.
+
+    ``windows`` (from :func:`window_gaps`) are window layers stored whole here too, because
+    some block they need was written without them.
+    """
     arrays: dict[str, mx.array] = {}
     ckpt_meta = None
-    ckpt = [c for c, tag in zip(prompt_cache, lay, strict=True) if tag.startswith("c:")]
+    idx = _tail_layers(lay, windows)
+    ckpt = [prompt_cache[j] for j in idx]
     if ckpt:
         rec = dump_prompt_cache(ckpt)
         arrays.update({f"c.{k}": v for k, v in rec.arrays.items()})
@@ -256,7 +334,21 @@ def tail_record(
         "ckpt": ckpt_meta,
         "extras": names,
     }
+    if any(t.startswith("w:") for t in lay):
+        meta["windows"] = sorted(windows)
     return Record(arrays=arrays, meta=meta)
+
+
+def tail_windows(tail: Record | None) -> set[int]:
+    """The window layers a (verified) tail holds whole."""
+    return _windows(tail.meta, "windows") if tail is not None else set()
+
+
+def _tail_layers(lay: list[str], windows: Sequence[int] | set[int]) -> list[int]:
+    """The layers a tail stores whole: checkpoint layers and the listed window layers."""
+    return [
+        j for j, t in enumerate(lay) if t.startswith("c:") or (t.startswith("w:") and j in windows)
+    ]
 
 
 def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -> list[str]:
@@ -269,8 +361,9 @@ def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -
     names = m.get("extras")
     if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
         raise RecordMismatch("tail extras are not a list of names")
+    _check_windows(m.get("windows"), own, "tail")
     ckpt = m.get("ckpt")
-    if not (isinstance(ckpt, dict) if has_checkpoint(own) else ckpt is None):
+    if not (isinstance(ckpt, dict) if _tail_layers(own, _windows(m, "windows")) else ckpt is None):
         raise RecordMismatch("tail checkpoint does not match its layout")
     return list(own)
 
@@ -278,7 +371,7 @@ def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -
 def read_tail(rec: Record, lay: list[str]) -> tuple[dict[int, Any], dict[str, mx.array]]:
     """Checkpoint layers ({layer index: cache}) and extras of a verified tail record."""
     extras = {name: rec.arrays[f"x.{name}"] for name in rec.meta["extras"]}
-    idx = [j for j, tag in enumerate(lay) if tag.startswith("c:")]
+    idx = _tail_layers(lay, _windows(rec.meta, "windows"))
     if not idx:
         return {}, extras
     arrays = {k[2:]: v for k, v in rec.arrays.items() if k.startswith("c.")}

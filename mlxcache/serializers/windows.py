@@ -41,6 +41,16 @@ class Held:
                 ]
         return None
 
+    def zeros(self, n: int) -> tuple[mx.array, mx.array]:
+        """Zero keys and values of ``n`` positions, shaped as this layer's (a stand-in)."""
+        if self.keys is None or self.values is None:
+            raise ValueError("an empty window layer holds no tokens to store")
+        k, v = self.keys, self.values
+        return (
+            mx.zeros((*k.shape[:-2], n, k.shape[-1]), k.dtype),
+            mx.zeros((*v.shape[:-2], n, v.shape[-1]), v.dtype),
+        )
+
 
 @dataclass(frozen=True)
 class Window:
