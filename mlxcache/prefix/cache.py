@@ -25,7 +25,7 @@ from mlxcache.prefix import probe as prefix_probe
 from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
 from mlxcache.prefix.hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
-from mlxcache.prefix.plan import Match, Plan, as_tokens
+from mlxcache.prefix.plan import Match, Plan, as_tokens, check_positions
 from mlxcache.prefix.restore import fetch as fetch_records
 from mlxcache.prefix.restore import restore
 from mlxcache.protocol import PinnableBackend
@@ -117,30 +117,11 @@ class PrefixCache:
             if positions and not 0 <= positions[0] <= positions[-1] < max(len(tokens), 1):
                 raise ValueError("image_positions must lie inside token_ids")
             if self.image_token_id is not None:
-                self._check_positions(tokens, positions)
+                check_positions(tokens, positions, self.image_token_id)
         elif digests and self.image_token_id is not None:
             runs = hashing.image_runs(tokens, self.image_token_id)
             positions = runs if len(runs) == len(digests) else None
         return Plan(self._seed, tokens, self.block_size, digests, positions)
-
-    def _check_positions(self, tokens: np.ndarray, positions: list[int]) -> None:
-        """Explicit positions may not start an image after its first placeholder token.
-
-        An image keys only the blocks from its position on; a later position would let the
-        placeholders before it (whose KV depends on the image) be shared with another image.
-        """
-        assert self.image_token_id is not None  # _plan checks before it calls
-        runs = hashing.image_runs(tokens, self.image_token_id)
-        if not runs:
-            return
-        late = positions[0] > runs[0]  # the first placeholder belongs to the first image
-        if len(runs) == len(positions):
-            late = late or any(p > r for p, r in zip(positions, runs, strict=True))
-        if late:
-            raise ValueError(
-                f"image_positions {positions} start an image after its placeholder tokens "
-                f"(runs of image_token_id start at {runs})"
-            )
 
     def _vision_key(self, plan: Plan) -> str | None:
         if not plan.digests:
