@@ -1,4 +1,4 @@
-"""Window layers (RotatingKVCache of mlx-lm and mlx-vlm, ChunkedKVCache) hit at any block
+"""Window layers (RotatingKVCache of mlx-lm and mlx-vlm, ChunkedKVCache of Llama 4) hit at any block
 boundary: stored per block, rebuilt from the blocks holding their window, and continued bit for
 bit like the engine's own layer resumed at the same split. A corrupt block is a miss there; a
 store written before window layers (whole-window checkpoints in tails) is a miss at a block
@@ -112,12 +112,42 @@ def test_a_layer_that_dropped_a_block_is_rebuilt_from_the_tail_or_a_shorter_boun
 # ---------------------------------------------------------------- through mlx-lm's generation
 
 
+LLAMA4_TEXT = {  # 3 of 4 layers ChunkedKVCache(48), the 4th KVCache
+    "attention_bias": False,
+    "attention_chunk_size": 48,
+    "head_dim": 16,
+    "hidden_size": 64,
+    "interleave_moe_layer_step": 2,
+    "intermediate_size": 64,
+    "intermediate_size_mlp": 128,
+    "max_position_embeddings": 4096,
+    "model_type": "llama4_text",
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 1,
+    "num_hidden_layers": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 2,
+    "rms_norm_eps": 1e-5,
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "use_qk_norm": True,
+    "vocab_size": 500,
+}
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     import mlx_lm
+    from mlx_lm.models import llama4
 
     root = tmp_path_factory.mktemp("window_models")
-    return {f: mlx_lm.load(str(build_folder(f, root / f)))[0] for f in ("gemma3_text", "qwen2")}
+    out = {f: mlx_lm.load(str(build_folder(f, root / f)))[0] for f in ("gemma3_text", "qwen2")}
+    mx.random.seed(0)
+    out["llama4"] = llama4.Model(
+        llama4.ModelArgs.from_dict({"model_type": "llama4", "text_config": LLAMA4_TEXT})
+    )
+    mx.eval(out["llama4"].parameters())
+    return out
 
 
 def _engine_at(model, ids, split, options):
@@ -142,6 +172,8 @@ def _engine_at(model, ids, split, options):
         ("gemma3_text", {}),  # RotatingKVCache(16) + KVCache
         ("gemma3_text", {"prefill_step_size": 64}),  # chunks aligned to blocks: all stored
         ("qwen2", {"max_kv_size": 64, "prefill_step_size": 48}),  # keep=4, unaligned chunks
+        ("llama4", {}),  # ChunkedKVCache(48) + KVCache
+        ("llama4", {"prefill_step_size": 64}),
     ],
 )
 def test_mlx_lm_branch_reuses_the_shared_blocks_bit_exactly(models, family, options):
