@@ -2,7 +2,8 @@
 boundary: stored per block, rebuilt from the blocks holding their window, and continued bit for
 bit like the engine's own layer resumed at the same split. A corrupt block is a miss there; a
 store written before window layers (whole-window checkpoints in tails) is a miss at a block
-boundary and still a right hit at its stored lengths."""
+boundary and still a right hit at its stored lengths. State layers (ArraysCache) are
+checkpointed at the prefill's chunk ends on block boundaries, where the engine splits too."""
 
 from __future__ import annotations
 
@@ -141,7 +142,8 @@ def models(tmp_path_factory):
     from mlx_lm.models import llama4
 
     root = tmp_path_factory.mktemp("window_models")
-    out = {f: mlx_lm.load(str(build_folder(f, root / f)))[0] for f in ("gemma3_text", "qwen2")}
+    families = ("gemma3_text", "qwen2", "lfm2")
+    out = {f: mlx_lm.load(str(build_folder(f, root / f)))[0] for f in families}
     mx.random.seed(0)
     out["llama4"] = llama4.Model(
         llama4.ModelArgs.from_dict({"model_type": "llama4", "text_config": LLAMA4_TEXT})
@@ -228,3 +230,28 @@ def test_a_store_from_before_window_layers_is_a_miss_at_a_block_boundary(monkeyp
     pc.store(list(range(44)), longer)
     assert pc.lookup(list(range(44)) + [7]) is None
     assert pc.stats()["rejected"] >= 1
+
+
+def test_state_layers_are_checkpointed_at_the_prefill_chunk_ends(models):
+    """lfm2 (ArraysCache + KVCache), chunks of 64 on blocks of 32: tails at 64, 128 and 192
+    hold the conv state, so a branch at 140 resumes at 128, bit-exact with mlx-lm's own
+    generate_step (whose chunks end there too); in one chunk there is no such end: a miss."""
+    from mlxcache.integrations.mlx_lm import generate_tokens
+
+    model = models["lfm2"]
+    ids = prompt_ids(200)
+    branched = ids[:140] + prompt_ids(60, seed=9)
+    for step, reused in ((64, 128), (2048, 0)):
+        cache = PrefixCache("memory://", model="lfm2", block_size=32, hot_bytes=0)
+        options = {"prefill_step_size": step}
+        assert (
+            generate_tokens(model, ids, cache=cache, max_tokens=4, **options).stored_tokens == 199
+        )
+        r = generate_tokens(model, branched, cache=cache, max_tokens=4, **options)
+        assert r.cached_tokens == reused
+        got = (r.tokens, bits(r.first_logits - mx.logsumexp(r.first_logits, keepdims=True)))
+        assert (
+            got
+            == _engine_at(model, branched, reused, options)
+            == _engine_at(model, branched, 0, options)
+        )

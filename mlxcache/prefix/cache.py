@@ -145,13 +145,14 @@ class PrefixCache:
         image_positions: Sequence[int] | None = None,
         background: bool = False,
         pin: bool = False,
-        blocks_only: bool = False,
+        mid_prefill: bool = False,
     ) -> int:
         """Store the cache of exactly ``token_ids``; returns how many new tokens the store kept.
 
-        ``blocks_only=True`` writes the whole blocks only (no tail, partial block, vision entry
-        nor hot entry): a long prefill's store after each chunk, so a window layer's blocks are
-        written while it still holds them; the store at the prompt's end writes the rest.
+        ``mid_prefill=True`` is a long prefill's store after a chunk: the whole blocks (so a
+        window layer's are written while it holds them) and, only with checkpoint layers at a
+        block-aligned length, a tail holding their state (no extras); no partial block, vision
+        entry nor hot entry. The store at the prompt's end writes the rest.
         ``pin=True`` pins every record of this prompt (those already stored too), so LRU
         eviction and expiry never take them (a backend with ``pinnable`` only; see
         docs/backends.md).
@@ -178,7 +179,7 @@ class PrefixCache:
             pr.check_lengths(layers, n)
         lay = pr.layout(layers)
         n_full, r = divmod(n, bs)
-        if blocks_only:
+        if mid_prefill:
             r, extras, vision_embeddings = 0, None, None
         # (key, block index, tokens in it) for blocks; then the tail; then the vision entry
         blocks = [(self._key("b", h), i, bs) for i, h in enumerate(plan.full(n_full))]
@@ -187,7 +188,7 @@ class PrefixCache:
         keys = [k for k, _, _ in blocks]
         tail_key = (
             self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1])
-            if n_full + r and not blocks_only
+            if n_full + r and not (mid_prefill and (n % bs or not pr.has_checkpoint(lay)))
             else None
         )
         if tail_key:
@@ -223,7 +224,7 @@ class PrefixCache:
         for end_key, end in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if end is not None:  # built only under a key
                 todo.append((cast(str, end_key), end, 0))
-        if self._hot is not None and n and self.kv_quant is None and not blocks_only:
+        if self._hot is not None and n and self.kv_quant is None and not mid_prefill:
             # quantized: only backend hits (dequantized) go hot: a prefix decodes the same
             self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:
