@@ -93,13 +93,17 @@ def test_a_corrupt_block_ends_the_hit_before_it(tmp_path, kind):
     assert hit is not None and hit.num_tokens == 16 and pc.stats()["rejected"] == 1
 
 
-def test_a_layer_that_dropped_a_block_is_rebuilt_from_the_tail_or_a_shorter_boundary():
+@pytest.mark.parametrize("where", ["memory", "file"])
+def test_a_layer_that_dropped_a_block_is_rebuilt_from_the_tail_or_a_shorter_boundary(
+    where, tmp_path
+):
     """Decoded past its window the layer no longer holds its first blocks: they are written
     without it (listed absent), the tail keeps the layer whole, and a branch hits only where
     every block its window needs holds it."""
     stored = _layers("mlx_lm", "rotating")
     _feed(stored, [20] + [1] * 20, seed=1)  # 40 tokens, the last 20 one by one
-    pc = PrefixCache(MemoryBackend(), model="m", block_size=BS, hot_bytes=0)
+    uri = "memory://" if where == "memory" else f"file://{tmp_path}/c"  # file://: joined reads
+    pc = PrefixCache(uri, model="m", block_size=BS, hot_bytes=0)
     assert pc.store(list(range(40)), stored) == 40
     hit = pc.lookup(list(range(40)) + [7])
     assert hit.num_tokens == 40  # the stored length: from the tail's whole layers
