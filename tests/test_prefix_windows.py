@@ -259,3 +259,26 @@ def test_state_layers_are_checkpointed_at_the_prefill_chunk_ends(models):
             == _engine_at(model, branched, reused, options)
             == _engine_at(model, branched, 0, options)
         )
+
+
+def test_a_mid_prefill_store_writes_whole_blocks_and_only_checkpoint_tails():
+    """``store(mid_prefill=True)``: whole blocks only (no partial block, no tail) for block and
+    window layers; with a state layer, a tail only at a block-aligned length."""
+    from mlx_lm.models.cache import ArraysCache
+
+    windowed = _layers("mlx_lm", "rotating")
+    _feed(windowed, [20], seed=1)
+    pc = PrefixCache(MemoryBackend(), model="m", block_size=BS, hot_bytes=0)
+    assert pc.store(list(range(20)), windowed, mid_prefill=True) == 16
+    assert not any("/t/" in k for k in pc.backend.keys())
+    assert pc.lookup(list(range(20)) + [5]).num_tokens == 16
+
+    for n, hit in ((20, None), (16, 16)):  # a tail at 16 = 2 blocks; none at 20
+        state = ArraysCache(1)
+        state[0] = mx.ones((1, 3, 4))
+        hybrid = [_layers("mlx_lm", "chunked")[1], state]  # KVCache + ArraysCache
+        _feed(hybrid[:1], [n], seed=1)
+        pc = PrefixCache(MemoryBackend(), model="h", block_size=BS, hot_bytes=0)
+        assert pc.store(list(range(n)), hybrid, mid_prefill=True) == 16
+        got = pc.lookup(list(range(20)) + [5])
+        assert (got.num_tokens if got else None) == hit
