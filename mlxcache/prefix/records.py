@@ -73,12 +73,15 @@ def _stored_per_block(tag: str) -> bool:
 
 
 def window_views(prompt_cache: Sequence[Any], lay: list[str]) -> dict[int, Held]:
-    """What each window layer still holds ({layer index: Held}), read once per store."""
-    return {
+    """What each window layer still holds ({layer index: Held}), read once per store and
+    evaluated (a rotated layer's temporal order is one copy, not one per block)."""
+    views = {
         j: adapters.window_held(c)
         for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True))
         if tag.startswith("w:")
     }
+    mx.eval([a for h in views.values() for a in (h.keys, h.values) if a is not None])
+    return views
 
 
 def _parts(x: Any) -> tuple[mx.array, ...]:
