@@ -112,7 +112,7 @@ def test_turn_two_reuses_turn_one_and_continues_bit_exactly(qwen, turn1):
     assert bits(warm) == bits(cold)
 
 
-def test_gemma3_mixed_rotating_and_kv_hits_only_at_checkpoints(gemma, uri):
+def test_gemma3_mixed_rotating_and_kv_hits_at_any_block_boundary(gemma, uri):
     ids = prompt(100, seed=4)  # past the 64-token window: the rotating layers have wrapped
     _, cache = prefill(gemma, ids)
     assert {type(c) for c in cache} == {RotatingKVCache, KVCache}
@@ -125,13 +125,16 @@ def test_gemma3_mixed_rotating_and_kv_hits_only_at_checkpoints(gemma, uri):
         warm, _ = prefill(gemma, request[100:], hit.prompt_cache)
         cold, _ = prefill(gemma, request)
         assert bits(warm) == bits(cold)
-        # whole blocks exist below 100, but no checkpoint: the rotating layers cannot be cut
-        assert pc.lookup(ids[:80]) is None
-        assert pc.lookup(ids[:90] + prompt(20, seed=6)) is None
-        # a block-aligned checkpoint (96 = 6 blocks) is found below a longer request
-        _, c96 = prefill(gemma, ids[:96])
-        assert pc.store(ids[:96], c96) == 0
-        assert pc.lookup(ids[:99] + [5]).num_tokens == 96
+        # window layers are stored per block: a branch hits at its last block boundary, and
+        # continues as the engine does from its own cache of those 80 tokens (one chunk)
+        branched = ids[:90] + prompt(20, seed=6)
+        hit = pc.lookup(branched)
+        assert hit.num_tokens == 80
+        warm, _ = prefill(gemma, branched[80:], hit.prompt_cache)
+        _, at80 = prefill(gemma, branched[:80])
+        resumed, _ = prefill(gemma, branched[80:], at80)
+        assert bits(warm) == bits(resumed) == bits(prefill(gemma, branched)[0])
+        assert pc.lookup(ids[:80]).num_tokens == 80
 
 
 def test_images_count_by_content_and_order(turn1):
@@ -440,12 +443,22 @@ def test_malformed_records_are_rejected_never_raised(turn1, kind, change):
     assert pc.stats()["rejected"] >= 2
 
 
+def decoded(model, ids, steps):
+    """The cache after prefilling ``ids`` and feeding ``steps`` more tokens one at a time (the
+    rotating layers wrap past their 64-token window and keep only its last tokens)."""
+    _, cache = prefill(model, ids)
+    for t in steps:
+        prefill(model, [t], cache)
+    return cache
+
+
 def test_malformed_checkpoint_tail_is_a_miss(gemma):
-    ids = prompt(40, seed=30)
-    _, cache = prefill(gemma, ids)
+    ids = prompt(81, seed=30)
+    cache = decoded(gemma, ids[:50], ids[50:])  # past the window: block 1 lacks position 16
     backend = MemoryBackend()
     pc = PrefixCache(backend, model="gemma", block_size=BS, hot_bytes=0)
     pc.store(ids, cache)
+    assert pc.lookup(ids).num_tokens == 81  # the tail holds the rotating layers whole
     _rewrite(backend, "tail", lambda m: m.update(ckpt=None))
     assert pc.lookup(ids) is None
     _rewrite(backend, "tail", lambda m: m.update(ckpt={"prompt_cache": 5}))

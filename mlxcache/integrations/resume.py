@@ -52,6 +52,19 @@ def unsupported_cache_reason(prompt_cache: Sequence[Any]) -> str | None:
     return None
 
 
+def holds_window(prompt_cache: Sequence[Any]) -> bool:
+    """Whether a cache has window layers (RotatingKVCache...), which drop their old tokens."""
+    return any(
+        (f := adapters.find(c)) is not None and f[1].window is not None for c in prompt_cache
+    )
+
+
+def holds_state(prompt_cache: Sequence[Any]) -> bool:
+    """Whether a cache has layers stored whole per length (ArraysCache...: no blocks)."""
+    found = [adapters.find(c) for c in prompt_cache]
+    return any(f is not None and not f[1].per_block and f[1].window is None for f in found)
+
+
 def same_layout(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:
     """Whether a restored cache has the fresh cache's layers: same classes, same shapes."""
     if len(restored) != len(fresh):
@@ -164,13 +177,36 @@ def finish_prompt(
     """Extend a cache holding ``tokens[:start]`` to all but the last token, store, run the last.
 
     With ``cache`` (a PrefixCache) the state before the last token is stored when something was
-    new. Returns the last token's ``run`` output and how many tokens the store kept.
+    new; with window layers, each chunk's whole blocks too, right after the chunk, and with state
+    layers a checkpoint at each chunk end on a block boundary. Returns the last token's ``run``
+    output and how many tokens the stores kept.
     """
     n = len(tokens)
-    extend(run, prompt_cache, start, n - 1, step_size=step_size, after_chunk=after_chunk)
     stored = 0
+    each = after_chunk
+    windows, states = cache is not None and holds_window(prompt_cache), holds_state(prompt_cache)
+    if cache is not None and (windows or states):
+        # a window layer drops old tokens in the next chunk: store each chunk's whole blocks
+        # while it holds them; a state layer (ArraysCache) is checkpointed at the chunk ends
+        # that are block boundaries (the engine's own splits: no answer changes)
+        def each(e: int) -> None:
+            nonlocal stored
+            if e < n - 1 and (windows or e % cache.block_size == 0):
+                kept = cache_call(
+                    "store",
+                    cache.store,
+                    list(tokens[:e]),
+                    prompt_cache,
+                    images=images,
+                    mid_prefill=True,
+                )
+                stored += kept or 0
+            if after_chunk is not None:
+                after_chunk(e)
+
+    extend(run, prompt_cache, start, n - 1, step_size=step_size, after_chunk=each)
     if cache is not None and n - 1 > start:
-        stored = store(
+        stored += store(
             cache,
             tokens[:-1],
             prompt_cache,

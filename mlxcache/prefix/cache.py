@@ -25,7 +25,7 @@ from mlxcache.prefix import probe as prefix_probe
 from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
 from mlxcache.prefix.hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
-from mlxcache.prefix.plan import Match, Plan, as_tokens
+from mlxcache.prefix.plan import Match, Plan, as_tokens, check_positions
 from mlxcache.prefix.restore import fetch as fetch_records
 from mlxcache.prefix.restore import restore
 from mlxcache.protocol import PinnableBackend
@@ -117,30 +117,11 @@ class PrefixCache:
             if positions and not 0 <= positions[0] <= positions[-1] < max(len(tokens), 1):
                 raise ValueError("image_positions must lie inside token_ids")
             if self.image_token_id is not None:
-                self._check_positions(tokens, positions)
+                check_positions(tokens, positions, self.image_token_id)
         elif digests and self.image_token_id is not None:
             runs = hashing.image_runs(tokens, self.image_token_id)
             positions = runs if len(runs) == len(digests) else None
         return Plan(self._seed, tokens, self.block_size, digests, positions)
-
-    def _check_positions(self, tokens: np.ndarray, positions: list[int]) -> None:
-        """Explicit positions may not start an image after its first placeholder token.
-
-        An image keys only the blocks from its position on; a later position would let the
-        placeholders before it (whose KV depends on the image) be shared with another image.
-        """
-        assert self.image_token_id is not None  # _plan checks before it calls
-        runs = hashing.image_runs(tokens, self.image_token_id)
-        if not runs:
-            return
-        late = positions[0] > runs[0]  # the first placeholder belongs to the first image
-        if len(runs) == len(positions):
-            late = late or any(p > r for p, r in zip(positions, runs, strict=True))
-        if late:
-            raise ValueError(
-                f"image_positions {positions} start an image after its placeholder tokens "
-                f"(runs of image_token_id start at {runs})"
-            )
 
     def _vision_key(self, plan: Plan) -> str | None:
         if not plan.digests:
@@ -164,9 +145,14 @@ class PrefixCache:
         image_positions: Sequence[int] | None = None,
         background: bool = False,
         pin: bool = False,
+        mid_prefill: bool = False,
     ) -> int:
         """Store the cache of exactly ``token_ids``; returns how many new tokens the store kept.
 
+        ``mid_prefill=True`` is a long prefill's store after a chunk: the whole blocks (so a
+        window layer's are written while it holds them) and, only with checkpoint layers at a
+        block-aligned length, a tail holding their state (no extras); no partial block, vision
+        entry nor hot entry. The store at the prompt's end writes the rest.
         ``pin=True`` pins every record of this prompt (those already stored too), so LRU
         eviction and expiry never take them (a backend with ``pinnable`` only; see
         docs/backends.md).
@@ -193,13 +179,17 @@ class PrefixCache:
             pr.check_lengths(layers, n)
         lay = pr.layout(layers)
         n_full, r = divmod(n, bs)
+        if mid_prefill:
+            r, extras, vision_embeddings = 0, None, None
         # (key, block index, tokens in it) for blocks; then the tail; then the vision entry
         blocks = [(self._key("b", h), i, bs) for i, h in enumerate(plan.full(n_full))]
         if r:
             blocks.append((self._key("b", plan.partial(n_full, r)), n_full, r))
         keys = [k for k, _, _ in blocks]
         tail_key = (
-            self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1]) if n else None
+            self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1])
+            if n_full + r and not (mid_prefill and (n % bs or not pr.has_checkpoint(lay)))
+            else None
         )
         if tail_key:
             keys.append(tail_key)
@@ -214,24 +204,27 @@ class PrefixCache:
             members = [self._key("t", plan.partial(n_full, r)), blocks[-1][0]]
             sibling = (self._key("s", plan.parent(n_full)), plan.block_tokens(n_full, r), members)
         exists = self.backend.contains_many(keys)
+        todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
+        views = pr.window_views(layers, lay) if n else {}  # what window layers still hold
+        for (key, i, m), there in zip(blocks, exists, strict=False):
+            if not there:
+                rec = pr.block_record(
+                    layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant, views
+                )
+                todo.append((key, rec, m))
         # build what can fail (unsupported checkpoint classes, bad extras) before any put
         tail = vision = None
         if tail_key and not exists[len(blocks)]:
             last = n_full if r else n_full - 1
-            tail = pr.tail_record(layers, lay, n, plan.block_tokens(last, r or None), extras)
+            whole = pr.window_gaps([rec for _, rec, _ in todo], lay, n)  # windows it must hold
+            tokens_last = plan.block_tokens(last, r or None)
+            tail = pr.tail_record(layers, lay, n, tokens_last, extras, whole)
         if vkey and not exists[-1]:
             vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
-        todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
-        for (key, i, m), there in zip(blocks, exists, strict=False):
-            if not there:
-                rec = pr.block_record(
-                    layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant
-                )
-                todo.append((key, rec, m))
         for end_key, end in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
             if end is not None:  # built only under a key
                 todo.append((cast(str, end_key), end, 0))
-        if self._hot is not None and n and self.kv_quant is None:
+        if self._hot is not None and n and self.kv_quant is None and not mid_prefill:
             # quantized: only backend hits (dequantized) go hot: a prefix decodes the same
             self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:

@@ -52,15 +52,19 @@ def rebuild(
     if p:
         blocks.append((key("b", plan.partial(a, p)), a, p))
     out: list[tuple[str, Record]] = []
+    views = pr.window_views(layers, lay)
     for k, i, m in blocks:
         if k in wanted:
-            out.append((k, pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m)))
+            out.append(
+                (k, pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m, None, views))
+            )
     sibling = None
     tail_key = key("t", plan.partial(a, p) if p else plan.full(a)[-1])
     if entry.stored and tail_key in wanted:
         last = a if p else a - 1
         tokens = plan.block_tokens(last, p or None)
-        out.append((tail_key, pr.tail_record(layers, lay, n, tokens, entry.extras)))
+        whole = pr.window_gaps([rec for _, rec in out], lay, n)
+        out.append((tail_key, pr.tail_record(layers, lay, n, tokens, entry.extras, whole)))
         if p:
             sibling = (key("s", plan.parent(a)), plan.block_tokens(a, p), [tail_key, blocks[-1][0]])
     if entry.vision is not None and vision_key is not None and vision_key in wanted:

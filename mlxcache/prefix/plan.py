@@ -28,6 +28,25 @@ def as_tokens(token_ids: Any) -> np.ndarray:
     return t.astype(np.int64, copy=False)
 
 
+def check_positions(tokens: np.ndarray, positions: list[int], image_token_id: int) -> None:
+    """Explicit positions may not start an image after its first placeholder token.
+
+    An image keys only the blocks from its position on; a later position would let the
+    placeholders before it (whose KV depends on the image) be shared with another image.
+    """
+    runs = hashing.image_runs(tokens, image_token_id)
+    if not runs:
+        return
+    late = positions[0] > runs[0]  # the first placeholder belongs to the first image
+    if len(runs) == len(positions):
+        late = late or any(p > r for p, r in zip(positions, runs, strict=True))
+    if late:
+        raise ValueError(
+            f"image_positions {positions} start an image after its placeholder tokens "
+            f"(runs of image_token_id start at {runs})"
+        )
+
+
 class Plan:
     """The hashes of one request: its tokens, its images and where the images start."""
 

@@ -1,11 +1,16 @@
 """PrefixCache records: per-block KV slices, whole-prefix checkpoints and extras.
 
 A prompt cache is a list of layers. Layers whose state is a plain token sequence (KVCache and
-its kin: their adapter is ``per_block``) are cut into blocks: a block record holds only that block's
-keys/values. Every other layer (RotatingKVCache, ArraysCache, ChunkedKVCache, ...) is a
-*checkpoint* layer: its whole state goes, through the prompt-cache serializer, into the tail
-record of one stored length. The treatment is decided by class, never by state, so every block
-record of a model has the same layout.
+its kin: their adapter is ``per_block``, tag ``b:``) are cut into blocks: a block record holds
+only that block's keys/values. Window layers (RotatingKVCache, ChunkedKVCache: their adapter
+has a ``window``, tag ``w:``) are stored per block too, each block sliced from what the state
+still holds (a block whose positions the layer dropped is not written), and rebuilt at any
+boundary from the positions they need there (serializers/windows.py). Every other layer
+(ArraysCache, BufferedRotatingKVCache, ...) is a *checkpoint* layer (``c:``): its whole state
+goes, through the prompt-cache serializer, into the tail record of one stored length. The
+treatment is decided by class, never by state, so every block record of a model has the same
+layout. Records written before window layers existed name them ``c:``: their layout differs,
+so they never mix with new ones (a miss at a block boundary, a hit at their stored lengths).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mlxcache.records.record import Record
 from mlxcache.serializers import adapters, kv_quant
 from mlxcache.serializers.kv_quant import KVQuant
 from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
+from mlxcache.serializers.windows import Held
 
 
 class RecordMismatch(ValueError):
@@ -27,11 +33,12 @@ class RecordMismatch(ValueError):
 
 
 def layer_tag(layer: Any) -> str:
-    """``"b:mlx_vlm.KVCache"`` for a block layer, ``"c:<module>.<Class>"`` for a checkpoint."""
+    """``"b:mlx_vlm.KVCache"`` for a block layer, ``"w:mlx_lm.RotatingKVCache"`` for a window
+    layer, ``"c:<module>.<Class>"`` for a checkpoint."""
     found = adapters.find(layer)
-    if found is not None and found[1].per_block:
+    if found is not None and (found[1].per_block or found[1].window is not None):
         lib, name = found[0]
-        return f"b:{lib}.{name}"
+        return f"{'b' if found[1].per_block else 'w'}:{lib}.{name}"
     cls = type(layer)
     return f"c:{cls.__module__}.{cls.__name__}"
 
@@ -61,6 +68,22 @@ def check_lengths(prompt_cache: Sequence[Any], num_tokens: int) -> None:
             )
 
 
+def _stored_per_block(tag: str) -> bool:
+    return tag.startswith(("b:", "w:"))
+
+
+def window_views(prompt_cache: Sequence[Any], lay: list[str]) -> dict[int, Held]:
+    """What each window layer still holds ({layer index: Held}), read once per store and
+    evaluated (a rotated layer's temporal order is one copy, not one per block)."""
+    views = {
+        j: adapters.window_held(c)
+        for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True))
+        if tag.startswith("w:")
+    }
+    mx.eval([a for h in views.values() for a in (h.keys, h.values) if a is not None])
+    return views
+
+
 def _parts(x: Any) -> tuple[mx.array, ...]:
     return tuple(x) if isinstance(x, tuple | list) else (x,)
 
@@ -72,17 +95,35 @@ def block_record(
     tokens: bytes,
     n: int,
     quant: KVQuant | None = None,
+    views: dict[int, Held] | None = None,
 ) -> Record:
-    """The block ``[start, start + n)`` of every block layer, as new (sliced) arrays.
+    """The block ``[start, start + n)`` of every block and window layer, as new (sliced) arrays.
+
+    A window layer that no longer holds all of the block (it dropped old tokens) is written as
+    zeros and listed in ``meta["absent"]``: never read, but every block of a model keeps one
+    tensor table (file:// joins them), and the other layers' slices are still stored.
 
     Reads each layer through the serializer's adapter; ``params`` keeps the state's other
-    fields (e.g. QuantizedKVCache's group_size and bits) to rebuild the layer with. With
+    fields (e.g. QuantizedKVCache's group_size and bits, a window's size) to rebuild the layer
+    with. ``views`` are :func:`window_views` (read here when not given). With
     ``quant`` each plain key/value array is stored quantized (``meta["kvq"]`` says how); a
     QuantizedKVCache's parts are stored as they are.
     """
+    if views is None:
+        views = window_views(prompt_cache, lay)
     arrays: dict[str, mx.array] = {}
     params: list[Any] = []
+    absent = []
     for j, (c, tag) in enumerate(zip(prompt_cache, lay, strict=True)):
+        if tag.startswith("w:"):
+            held = views[j]
+            got = held.take(start, start + n)
+            if got is None:
+                absent.append(j)
+                got = held.zeros(n)
+            arrays[f"{j}.k0"], arrays[f"{j}.v0"] = got
+            params.append(held.params)
+            continue
         if not tag.startswith("b:"):
             params.append(None)
             continue
@@ -92,6 +133,8 @@ def block_record(
             for p, part in enumerate(_parts(x)):
                 arrays[f"{j}.{side}{p}"] = part[..., start : start + n, :]
     meta = {"kind": "block", "start": start, "tokens": tokens, "layout": lay, "params": params}
+    if views:
+        meta["absent"] = absent
     if quant is not None:
         arrays, meta["kvq"] = kv_quant.quantize(arrays, quant)
     return Record(arrays=arrays, meta=meta)
@@ -126,8 +169,9 @@ def check_block(
     if not isinstance(params, list) or len(params) != len(own):
         raise RecordMismatch("block params do not match its layout")
     for tag, p in zip(own, params, strict=True):
-        if not (isinstance(p, dict) if tag.startswith("b:") else p is None):
+        if not (isinstance(p, dict) if _stored_per_block(tag) else p is None):
             raise RecordMismatch("block params do not match its layout")
+    _check_windows(m.get("absent"), own, "block")
     n = len(tokens) // 8
     for name, a in rec.arrays.items():
         if a.ndim < 2 or a.shape[-2] != n:
@@ -143,15 +187,77 @@ def check_block(
     return list(own)
 
 
+def _check_windows(listed: Any, lay: list[str], what: str) -> None:
+    """A ``meta["absent"]`` / ``meta["windows"]`` list: window layers of ``lay``, each once;
+    none in a layout without window layers (records from before window layers)."""
+    windows = [j for j, t in enumerate(lay) if t.startswith("w:")]
+    if not windows and listed is None:
+        return
+    ok = isinstance(listed, list) and all(type(j) is int and j in windows for j in listed)
+    if not ok or len(set(listed)) != len(listed):
+        raise RecordMismatch(f"{what} window list does not match its layout")
+
+
+def _windows(meta: Mapping[str, Any], field: str) -> set[int]:
+    return set(meta.get(field) or ())
+
+
+def _gap(blocks: Sequence[Record | Placed], j: int, need: list[tuple[int, int]]) -> bool:
+    """Whether window layer ``j`` is absent from a block holding a position in ``need``."""
+    for b in blocks:
+        s = b.meta["start"]
+        e = s + len(b.meta["tokens"]) // 8
+        if j in _windows(b.meta, "absent") and any(s < hi and lo < e for lo, hi in need):
+            return True
+    return False
+
+
+def _need(tag: str, params: Any, n: int) -> list[tuple[int, int]]:
+    lib, _, name = tag[2:].partition(".")
+    if not isinstance(params, dict):
+        raise RecordMismatch("window params are not a dict")
+    return adapters.window_need(lib, name, params, n)
+
+
+def window_gaps(written: Sequence[Record], lay: list[str], n: int) -> list[int]:
+    """Window layers that a tail at ``n`` must carry whole: a block this store writes without
+    them holds positions they need at ``n`` (their older tokens were dropped)."""
+    out = []
+    for j, tag in enumerate(lay):
+        if tag.startswith("w:") and written:
+            params = written[0].meta["params"][j]
+            if _gap(written, j, _need(tag, params, n)):
+                out.append(j)
+    return out
+
+
+def windows_held(blocks: Sequence[Record | Placed], lay: list[str], tail: Record | None) -> bool:
+    """Whether ``blocks`` (consecutive, from 0) and ``tail`` rebuild every window layer."""
+    if not blocks:
+        return True
+    n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
+    whole = _windows(tail.meta, "windows") if tail is not None else set()
+    params = blocks[0].meta["params"]
+    for j, tag in enumerate(lay):
+        if tag.startswith("w:") and j not in whole and _gap(blocks, j, _need(tag, params[j], n)):
+            return False
+    return True
+
+
 def join_blocks(
-    blocks: Sequence[Record | Placed], lay: list[str], quant: KVQuant | None = None
+    blocks: Sequence[Record | Placed],
+    lay: list[str],
+    quant: KVQuant | None = None,
+    skip: set[int] | frozenset[int] = frozenset(),
 ) -> dict[int, Any]:
-    """Rebuild every block layer from consecutive verified blocks: {layer index: cache}.
+    """Rebuild every block and window layer from consecutive verified blocks: {layer index:
+    cache}; a window layer from the positions it needs at the blocks' end.
 
     Placed blocks (the leading records of one ``Joined``) are in their final arrays already;
     Records are concatenated.
     ``quant`` is the reader's setting: a block stored otherwise raises (a miss); quantized
-    arrays are joined, then dequantized once to their original dtype.
+    arrays are joined, then dequantized once to their original dtype. Window layers in
+    ``skip`` come from the tail; any other must be held by every block it needs (else raises).
     """
     params = blocks[0].meta["params"]
     n = sum(len(b.meta["tokens"]) // 8 for b in blocks)
@@ -163,9 +269,15 @@ def join_blocks(
     joined = kv_quant.restore(joined, blocks[0].meta.get("kvq"), quant)
     out: dict[int, Any] = {}
     for j, tag in enumerate(lay):
+        lib, _, name = tag[2:].partition(".")
+        if tag.startswith("w:"):
+            if j not in skip:
+                if _gap(blocks, j, _need(tag, params[j], n)):
+                    raise RecordMismatch("a window layer is absent from a block it needs")
+                out[j] = _join_window(joined, j, lib, name, params[j], n)
+            continue
         if not tag.startswith("b:"):
             continue
-        lib, _, name = tag[2:].partition(".")
         sides = []
         for side in ("k", "v"):
             names = sorted(k for k in joined if k.startswith(f"{j}.{side}"))
@@ -175,17 +287,38 @@ def join_blocks(
     return out
 
 
+def _join_window(
+    joined: dict[str, mx.array], j: int, lib: str, name: str, params: Any, n: int
+) -> Any:
+    """A window layer of ``n`` tokens from its joined rows: the ranges it needs, copied out."""
+    if not isinstance(params, dict) or f"{j}.k0" not in joined or f"{j}.v0" not in joined:
+        raise RecordMismatch("window layer arrays missing from the blocks")
+    need = adapters.window_need(lib, name, params, n)
+    sides = []
+    for side in ("k", "v"):
+        x = joined[f"{j}.{side}0"]
+        parts = [x[..., a:b, :] for a, b in need]
+        sides.append(mx.concatenate(parts, axis=-2) if len(parts) > 1 else mx.contiguous(parts[0]))
+    return adapters.from_window(lib, name, params, sides[0], sides[1], n)
+
+
 def tail_record(
     prompt_cache: Sequence[Any],
     lay: list[str],
     length: int,
     tokens: bytes,
     extras: Mapping[str, Any] | None,
+    windows: Sequence[int] = (),
 ) -> Record:
-    """What one stored length needs besides its blocks: checkpoint layers and extras."""
+    """What one stored length needs besides its blocks: checkpoint layers and extras.
+
+    ``windows`` (from :func:`window_gaps`) are window layers stored whole here too, because
+    some block they need was written without them.
+    """
     arrays: dict[str, mx.array] = {}
     ckpt_meta = None
-    ckpt = [c for c, tag in zip(prompt_cache, lay, strict=True) if tag.startswith("c:")]
+    idx = _tail_layers(lay, windows)
+    ckpt = [prompt_cache[j] for j in idx]
     if ckpt:
         rec = dump_prompt_cache(ckpt)
         arrays.update({f"c.{k}": v for k, v in rec.arrays.items()})
@@ -204,7 +337,21 @@ def tail_record(
         "ckpt": ckpt_meta,
         "extras": names,
     }
+    if any(t.startswith("w:") for t in lay):
+        meta["windows"] = sorted(windows)
     return Record(arrays=arrays, meta=meta)
+
+
+def tail_windows(tail: Record | None) -> set[int]:
+    """The window layers a (verified) tail holds whole."""
+    return _windows(tail.meta, "windows") if tail is not None else set()
+
+
+def _tail_layers(lay: list[str], windows: Sequence[int] | set[int]) -> list[int]:
+    """The layers a tail stores whole: checkpoint layers and the listed window layers."""
+    return [
+        j for j, t in enumerate(lay) if t.startswith("c:") or (t.startswith("w:") and j in windows)
+    ]
 
 
 def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -> list[str]:
@@ -217,8 +364,9 @@ def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -
     names = m.get("extras")
     if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
         raise RecordMismatch("tail extras are not a list of names")
+    _check_windows(m.get("windows"), own, "tail")
     ckpt = m.get("ckpt")
-    if not (isinstance(ckpt, dict) if has_checkpoint(own) else ckpt is None):
+    if not (isinstance(ckpt, dict) if _tail_layers(own, _windows(m, "windows")) else ckpt is None):
         raise RecordMismatch("tail checkpoint does not match its layout")
     return list(own)
 
@@ -226,11 +374,13 @@ def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -
 def read_tail(rec: Record, lay: list[str]) -> tuple[dict[int, Any], dict[str, mx.array]]:
     """Checkpoint layers ({layer index: cache}) and extras of a verified tail record."""
     extras = {name: rec.arrays[f"x.{name}"] for name in rec.meta["extras"]}
-    idx = [j for j, tag in enumerate(lay) if tag.startswith("c:")]
+    idx = _tail_layers(lay, _windows(rec.meta, "windows"))
     if not idx:
         return {}, extras
     arrays = {k[2:]: v for k, v in rec.arrays.items() if k.startswith("c.")}
     layers = load_prompt_cache(Record(arrays=arrays, meta=rec.meta["ckpt"]))
-    if [layer_tag(c) for c in layers] != [lay[j] for j in idx]:
-        raise RecordMismatch("checkpoint layers differ from the layout")
+    for c, j in zip(layers, idx, strict=True):
+        # a window layer in a tail from before window layers was a checkpoint ("c:")
+        if lay[j] not in (layer_tag(c), f"c:{type(c).__module__}.{type(c).__name__}"):
+            raise RecordMismatch("checkpoint layers differ from the layout")
     return dict(zip(idx, layers, strict=True)), extras

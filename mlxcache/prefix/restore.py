@@ -107,8 +107,17 @@ def restore(
     else:
         return None
     num, used, tail = choice
+    if not pr.windows_held(used, lay, tail):
+        # a window layer's positions at num are in a block stored without them (it had
+        # dropped them) and no tail holds it whole: the longest block boundary that rebuilds
+        last = min(kv, num // bs)
+        m = next((i for i in range(last, 0, -1) if pr.windows_held(blocks[:i], lay, None)), 0)
+        if need_tail or not m:
+            return None
+        num, used, tail = m * bs, blocks[:m], None
     try:  # a record that verified but does not rebuild (another format, forged) is a miss
-        layers = pr.join_blocks(used, lay, quant) if used else {}
+        skip = pr.tail_windows(tail)
+        layers = pr.join_blocks(used, lay, quant, skip) if used else {}
         ckpt, extras = pr.read_tail(tail, lay) if tail is not None else ({}, {})
         layers.update(ckpt)
         cache = [layers[j] for j in range(len(lay))]

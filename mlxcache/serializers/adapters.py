@@ -37,6 +37,7 @@ from mlxcache.serializers.kv_caches import (
 )
 from mlxcache.serializers.state_caches import ARRAYS, CACHE_LIST, POOLING
 from mlxcache.serializers.states import Adapter, StateError
+from mlxcache.serializers.windows import Held
 
 __all__ = [
     "ADAPTERS",
@@ -48,8 +49,11 @@ __all__ = [
     "class_for",
     "find",
     "from_block_state",
+    "from_window",
     "is_cache_object",
     "supported_classes",
+    "window_held",
+    "window_need",
 ]
 
 LIBRARIES = {"mlx_vlm": "mlx_vlm.models.cache", "mlx_lm": "mlx_lm.models.cache"}
@@ -148,3 +152,34 @@ def from_block_state(
     if not adapter.per_block:
         raise StateError(f"{lib}.{name} is not stored per block")
     return adapter.load(cls, {**params, "keys": keys, "values": values, "offset": offset})
+
+
+# ---------------------------------------------------------------- window caches
+
+
+def window_held(cache: Any) -> Held:
+    """The positions a window cache (``Adapter.window``) still holds, in temporal order."""
+    (lib, name), adapter = adapter_for(cache)
+    if adapter.window is None:
+        raise TypeError(f"{lib}.{name} is not a window cache")
+    held: Held = adapter.window.held(cache)
+    return held
+
+
+def _window_of(lib: str, name: str) -> tuple[type, Any]:
+    cls, adapter = class_for(lib, name)
+    if adapter.window is None:
+        raise StateError(f"{lib}.{name} is not a window cache")
+    return cls, adapter.window
+
+
+def window_need(lib: str, name: str, params: dict[str, Any], n: int) -> list[tuple[int, int]]:
+    """The position ranges a window cache of ``n`` tokens is rebuilt from."""
+    need: list[tuple[int, int]] = _window_of(lib, name)[1].need(params, n)
+    return need
+
+
+def from_window(lib: str, name: str, params: dict[str, Any], keys: Any, values: Any, n: int) -> Any:
+    """A window cache of ``n`` tokens from the keys/values of its ``window_need`` positions."""
+    cls, window = _window_of(lib, name)
+    return window.build(cls, params, keys, values, n)

@@ -8,6 +8,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.serializers.states import Adapter, check, int_field, kv_fields, seq, seq_len
+from mlxcache.serializers.windows import CHUNKED_WINDOW, ROTATING_WINDOW
 
 
 def _dump_kv(c: Any) -> dict[str, Any]:
@@ -130,7 +131,7 @@ def _cut_rotating(s: dict[str, Any], n: int) -> dict[str, Any]:
     return {**_cut_kv(s, n), "idx": n}
 
 
-ROTATING = Adapter(_dump_rotating, _load_rotating, _cut_rotating)
+ROTATING = Adapter(_dump_rotating, _load_rotating, _cut_rotating, window=ROTATING_WINDOW)
 
 
 def _dump_buffered(c: Any) -> dict[str, Any]:
@@ -188,7 +189,7 @@ def _cut_chunked(s: dict[str, Any], n: int) -> dict[str, Any]:
     return {**s, "keys": k, "values": v, "offset": n}
 
 
-CHUNKED = Adapter(_dump_chunked, _load_chunked, _cut_chunked)
+CHUNKED = Adapter(_dump_chunked, _load_chunked, _cut_chunked, window=CHUNKED_WINDOW)
 
 
 # ---------------------------------------------------------------- state caches

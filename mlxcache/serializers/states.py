@@ -29,6 +29,9 @@ class Adapter:
     # state is keys/values along axis -2, an offset and constant params, nothing else: a
     # PrefixCache stores such a cache per block; any other cache as a whole-prefix checkpoint
     per_block: bool = False
+    # a window layer (serializers.windows.Window): stored per block too, rebuilt at any
+    # boundary from the positions it needs there
+    window: Any = None
 
 
 def seq(x: Any, n: int) -> Any:
