@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
+from mlxcache.integrations.asgi import replaying, send_json
+
 # the POST routes whose body names a model, on mlx-lm's and mlx-vlm's servers
 GENERATION_PATHS = frozenset(
     ("/v1/chat/completions", "/chat/completions", "/v1/completions", "/completions",
@@ -99,22 +101,9 @@ class ModelCheck:
         raw = b"".join(chunks)
         problem = unknown_model(requested_model(raw), self.served)
         if problem is not None:
-            body = error_body(problem)
-            headers = [(b"content-type", b"application/json"),
-                       (b"content-length", str(len(body)).encode())]  # fmt: skip
-            await send({"type": "http.response.start", "status": 404, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
+            await send_json(send, 404, error_body(problem))
             return
-        sent = False
-
-        async def replay() -> dict:
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(scope, replaying(raw, receive), send)
 
 
 def http_handler(base: Any, served: str | None) -> type:

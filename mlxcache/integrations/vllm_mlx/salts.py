@@ -26,6 +26,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from mlxcache.integrations.asgi import replaying, send_json
 from mlxcache.integrations.request_salt import HEADER, SaltError, request_salt
 
 PATHS = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions")
@@ -144,28 +145,12 @@ class SaltMiddleware:
         try:
             salt = request_salt(body, header.decode() if header is not None else None)
         except SaltError as exc:
-            return await _refuse(send, str(exc))
-        replayed = False
-
-        async def replay() -> Any:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
-
+            return await send_json(send, 400, json.dumps({"error": str(exc)}).encode())
         token = _REQUEST.set(salt)
         try:
-            await self.app(scope, replay, send)
+            await self.app(scope, replaying(raw, receive), send)
         finally:
             _REQUEST.reset(token)
-
-
-async def _refuse(send: Any, message: str) -> None:
-    body = json.dumps({"error": message}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": 400, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def _replace(obj: Any, name: str, value: Any) -> None:
