@@ -24,6 +24,10 @@ def _value(row: Row, v: float) -> str:
         return human_time(v)
     if row.unit == "x":
         return f"{v:.2f}x"
+    if row.unit == "tokens":  # a break-even: "never", or "< N" when only a bound is known
+        if v == float("inf"):
+            return "never"
+        return ("< " if row.extra.get("bound") == "below" else "") + f"{v:,.0f} tokens"
     return f"{v:.3g} {row.unit}".strip()
 
 
