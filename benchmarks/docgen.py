@@ -165,6 +165,7 @@ def generated(
         parts += [f"![{name}](perf/{name})\n" for name in plots.ttft(rows, folder)]
         parts += [opening, ""]
     parts += [
+        "### The run\n",
         f"Run of {day}: `{config.get('command', 'python -m benchmarks')}`, "
         f"{config.get('seconds')} s.\n",
         f"Machine: {report.machine_line(machine)}.\n",

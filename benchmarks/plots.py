@@ -52,7 +52,8 @@ def ttft(rows: list[Row], folder: Path) -> list[str]:
             xscale="log", yscale="log", xlabel="prompt tokens", ylabel="time to first token (ms)"
         )
         ax.set_title(f"{engine}\n({MODELS.get(family, family)}, file://)", fontsize=9)
-        ax.set_xticks(sorted(by_length), [str(n) for n in sorted(by_length)])
+        ax.set_xticks(sorted(by_length), [f"{n:,}" for n in sorted(by_length)])
+        ax.set_xticks([], minor=True)  # only the measured lengths on the log axis
         ax.grid(True, alpha=0.3, which="both")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
