@@ -42,9 +42,9 @@ class Engine:
         """A seeded ``n``-token prompt (the VLMs: with one image, as their README shows)."""
         import mlx.core as mx
 
-        ids = np.random.default_rng(seed).integers(8, 500, size=n).tolist()
-        if self.family == "llama":
-            return (mx.array(ids),)
+        if self.family == "llama":  # its vocabulary: 512 tokens, the first few special
+            return (mx.array(np.random.default_rng(seed).integers(8, 500, size=n).tolist()),)
+        ids = np.random.default_rng(seed).integers(1, 990, size=n).tolist()
         if self.family == "qwen2_vl":
             ids[5] = 997  # vision start
             ids[6:22] = [999] * 16
