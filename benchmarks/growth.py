@@ -9,8 +9,9 @@
    with the KV shapes of real models (``MODELS``: layers, KV heads and head dim from their
    ``config.json``; bf16; random data), on each backend.
 3. From 2, the prompt length above which a restore beats recomputing the prefix at the
-   published Apple-silicon prefill speeds in ``PREFILL_SPEEDS``: a line ``a + b * tokens`` is
-   fitted to each backend's restore times and solved for ``a + b * L = L / speed``.
+   published Apple-silicon prefill speeds in ``PREFILL_SPEEDS``: where the restore already wins
+   at the shortest length measured, that length is the bound; otherwise a line
+   ``a + b * tokens`` fitted to the shortest restore times is solved for ``a + b * L = L / speed``.
 """
 
 from __future__ import annotations
@@ -234,6 +235,10 @@ def breakeven(a: float, b: float, speed: float) -> float | None:
 
 
 def breakeven_rows(rows: list[Row]) -> list[Row]:
+    """One row per model, backend and prefill speed: the prompt length above which a restore
+    beats recomputing. Where the restore already wins at the shortest length measured, the
+    break-even lies below it and only that bound is given (``extra["bound"] == "below"``): a
+    line through longer prompts says nothing reliable about shorter ones."""
     out: list[Row] = []
     series: dict[tuple[str, str], list[tuple[int, float]]] = {}
     for r in rows:
@@ -241,13 +246,23 @@ def breakeven_rows(rows: list[Row]) -> list[Row]:
             key = (r.extra["model"], r.extra["backend"])
             series.setdefault(key, []).append((r.tokens or 0, r.stats.median))
     for (model, label), pts in series.items():
-        # the break-even lies at short prompts: fit the three shortest points, fixed cost >= 0
-        a, b = fit_line(sorted(pts)[:3])
-        if a < 0:
-            a, b = fit_line([min(pts)])
+        pts.sort()
+        # the break-even lies at short prompts: fit the three shortest points
+        a, b = fit_line(pts[:3])
+        if a < 0:  # no fixed cost resolved: the per-token cost alone, through the origin
+            a, b = fit_line(pts[:1])
+        (n0, t0), (n1, t1) = pts[0], pts[-1]
         for speed_name, (speed, _) in PREFILL_SPEEDS.items():
-            length = breakeven(a, b, speed)
-            value = float("inf") if length is None else length
+            if t0 < n0 / speed:
+                value, bound = float(n0), "below"
+                note = (
+                    f"restore already faster at the shortest length measured ({n0:,} tokens: "
+                    f"{t0 * 1e3:.1f} ms vs {n0 / speed * 1e3:,.0f} ms of prefill)"
+                )
+            else:
+                length = breakeven(a, b, speed)
+                value, bound = (float("inf"), "never") if length is None else (length, "fit")
+                note = f"restore ~ {a * 1e3:.1f} ms + {b * 1e6:.1f} µs/token"
             out.append(
                 Row(
                     SECTION,
@@ -256,14 +271,16 @@ def breakeven_rows(rows: list[Row]) -> list[Row]:
                     None,
                     "tokens",
                     Stats.of([value]),
-                    note=f"restore ~ {a * 1e3:.2f} ms + {b * 1e6:.2f} µs/token; prefill "
-                    f"{1e6 / speed:.0f} µs/token ({speed:g} tok/s)",
+                    note=f"{note}; prefill {1e6 / speed:.0f} µs/token ({speed:g} tok/s)",
                     extra={
                         "model": model,
                         "backend": label,
                         "speed": speed,
+                        "bound": bound,
                         "fixed_s": a,
                         "per_token_s": b,
+                        "shortest": [n0, t0],
+                        "longest": [n1, t1],
                         "restore_gbps": bytes_per_token(model) / b / 1e9 if b > 0 else None,
                     },
                 )

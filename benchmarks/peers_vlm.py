@@ -54,10 +54,10 @@ class _Processor:
         self.detokenizer = NaiveStreamingDetokenizer(self.tokenizer)
 
 
-def _inputs(n: int, seed: int = 1) -> tuple[Any, Any, dict[str, Any]]:
-    from benchmarks.ttft import _inputs as tiny_inputs
+def _inputs(n: int, seed: int = 1) -> tuple[Any, ...]:
+    from benchmarks.ttft_engines import ENGINES
 
-    return tiny_inputs(FAMILY, n, seed)
+    return ENGINES[FAMILY].inputs(n, seed)
 
 
 def apc_request(model: Any, proc: Any, inputs: Any, manager: Any) -> dict[str, Any]:

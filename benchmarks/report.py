@@ -12,7 +12,7 @@ TITLES = {
     "throughput": "Put / get throughput (ratio = baseline time / our time, > 1 = faster)",
     "durability": "file:// put under each sync setting (ratio = sync=always / this, > 1 = faster)",
     "lookup": "Prefix lookup latency",
-    "ttft": "Time to first token, cold vs warm (ratio = cold / warm, > 1 = faster)",
+    "ttft": "Time to first token: uncached, cold, warm, another worker, after a restart",
     "scale": "Background stores, tiers, Redis Cluster (ratio = baseline / ours, > 1 = faster)",
     "quant": "Quantized KV storage (ratio = exact / quantized, > 1 = quantized wins)",
     "rss": "Peak extra memory during put / get (ratio = extra RSS / payload, lower is better)",
@@ -24,6 +24,10 @@ def _value(row: Row, v: float) -> str:
         return human_time(v)
     if row.unit == "x":
         return f"{v:.2f}x"
+    if row.unit == "tokens":  # a break-even: "never", or "< N" when only a bound is known
+        if v == float("inf"):
+            return "never"
+        return ("< " if row.extra.get("bound") == "below" else "") + f"{v:,.0f} tokens"
     return f"{v:.3g} {row.unit}".strip()
 
 

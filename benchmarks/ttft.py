@@ -1,120 +1,145 @@
-"""Time to first token with the tiny models: uncached, cold cache and warm cache.
+"""Time to first token with the tiny models: uncached, cold, warm, another worker, a restart.
 
-Uses ``mlxcache.integrations.mlx_vlm.generate_tokens`` (one token) on a ``PrefixCache`` over
-``file://`` and ``redis://``. *Cold* is a first request on an empty cache (a fresh salt per
-run): full prefill plus storing the new blocks. *Warm* repeats the same request: the prefix is
-restored and one token is prefilled. The time is the integration's own ``time_to_first_token``
-(lookup and restore included). Ratio = cold / warm (> 1 = the cache pays).
+Per generation path (``benchmarks/ttft_engines.py``: mlx-vlm's tiny Qwen2-VL and Gemma 3 with
+one image, a tiny mlx-lm llama) and prompt length, through mlxcache's integration
+(``max_tokens=1``) on a ``PrefixCache`` (``hot_bytes=0``: every hit is read from the store):
+
+- *uncached*: no cache (the reference);
+- *cold*: the first request on an empty cache (a fresh salt): full prefill plus storing the new
+  blocks, i.e. what a miss costs;
+- *warm*: the same request again in the same process;
+- *another worker* (``file://`` only): a second process on the same store, its kernels warmed on
+  another prompt, asks for the stored prompt;
+- *after a restart* (``file://`` only): a new process whose first request is the stored prompt.
+
+The time is the integration's own ``time_to_first_token`` (lookup and restore included; a
+process's start and model load are not). Ratio = cold / warm (> 1 = the cache pays).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.common import Row, Stats, have
+from benchmarks.ttft_engines import ENGINES, Engine, child, open_cache
 
 SECTION = "ttft"
-MODELS = ("qwen2_vl", "gemma3")
+FAMILIES = ("qwen2_vl", "gemma3", "llama")
+# the kinds of request, in the order the summary and the chart show them
+KINDS = {
+    "uncached": "uncached",
+    "cold": "cold (a miss)",
+    "warm": "warm, same process",
+    "worker": "another worker",
+    "restart": "after a restart",
+}
 
 
-def _inputs(family: str, n: int, seed: int = 1) -> tuple[Any, Any, dict[str, Any]]:
-    """A seeded ``n``-token prompt with one image, as the tiny models expect (see their README)."""
-    import mlx.core as mx
-
-    ids = np.random.default_rng(seed).integers(1, 990, size=n).tolist()
-    if family == "qwen2_vl":
-        ids[5] = 997  # vision start
-        ids[6:22] = [999] * 16
-        pixels = np.random.default_rng(2).standard_normal((64, 1176)).astype(np.float32)
-        return mx.array([ids]), mx.array(pixels), {"image_grid_thw": mx.array([[1, 8, 8]])}
-    ids[6:22] = [999] * 16
-    pixels = np.random.default_rng(2).standard_normal((1, 3, 112, 112)).astype(np.float32)
-    return mx.array([ids]), mx.array(pixels), {}
+def _run_child(family: str, mode: str, store: str, n: int, salt: str, folder: Path) -> dict:
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "benchmarks.ttft", family, mode, store, str(n), salt, str(folder)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=root)
+    if done.returncode != 0:
+        raise RuntimeError(f"ttft child {family} {mode} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _ttft(model: Any, cache: Any, inputs: tuple[Any, Any, dict[str, Any]]) -> tuple[float, int]:
-    from mlxcache.integrations.mlx_vlm import generate_tokens
+def _row(engine: Engine, label: str, kind: str, n: int, st: Stats, **kw: Any) -> Row:
+    name = f"{engine.family} uncached" if kind == "uncached" else f"{engine.family} {label} {kind}"
+    if kind in ("worker", "restart"):
+        name = f"{engine.family} {label} {KINDS[kind]}"
+    extra = {"engine": engine.engine, "family": engine.family, "kind": kind, "backend": label}
+    return Row(SECTION, name, n, None, "s", st, extra=extra, **kw)
 
-    ids, pixels, kwargs = inputs
-    r = generate_tokens(model, ids, pixels, cache=cache, max_tokens=1, **kwargs)
-    return r.time_to_first_token, r.cached_tokens
+
+def _engine_rows(engine: Engine, lengths: list[int], uris: list, ctx: Any) -> list[Row]:
+    folder = ctx.tmpdir / f"ttft-{engine.family}"
+    model = engine.build(folder)
+    runs = 1 if ctx.smoke else max(1, min(ctx.repeat, 3))
+    rows: list[Row] = []
+    for n in lengths:
+        inputs = engine.inputs(max(n, 32))
+        engine.ttft(model, None, inputs)  # warm up kernels once, untimed
+        plain = Stats.of([engine.ttft(model, None, inputs)[0] for _ in range(runs)])
+        rows.append(_row(engine, "", "uncached", n, plain, note="reference"))
+        for label, uri in uris:
+            cold_t, warm_t, salt = [], [], ""
+            for _ in range(runs):
+                salt = uuid.uuid4().hex
+                cache = open_cache(uri, model, salt)
+                t, cached = engine.ttft(model, cache, inputs)
+                if cached:
+                    raise RuntimeError(f"{label}: a cold request found {cached} tokens")
+                cold_t.append(t)
+                t, cached = engine.ttft(model, cache, inputs)
+                if cached < n - 1:
+                    raise RuntimeError(f"{label}: a warm request reused only {cached}")
+                warm_t.append(t)
+            cold, warm = Stats.of(cold_t), Stats.of(warm_t)
+            base = f"{engine.family} uncached"
+            rows.append(
+                _row(
+                    engine, label, "cold", n, cold, baseline=base,
+                    note=f"{cold.median / plain.median:.2f}x the uncached time",
+                )
+            )  # fmt: skip
+            rows.append(
+                _row(
+                    engine, label, "warm", n, warm, baseline=f"{engine.family} {label} cold",
+                    ratio=cold.median / warm.median, ratio_kind="cold / warm (>1 = faster)",
+                    note=f"{plain.median / warm.median:.1f}x faster than uncached",
+                )
+            )  # fmt: skip
+            if label != "file://":
+                continue
+            for mode in ("worker", "restart"):  # the last salt's entry, read by new processes
+                got = [_run_child(engine.family, mode, uri, n, salt, folder) for _ in range(runs)]
+                if min(g["cached"] for g in got) < n - 1:
+                    raise RuntimeError(f"{mode}: a new process reused only {got}")
+                st = Stats.of([g["ttft"] for g in got])
+                rows.append(
+                    _row(
+                        engine, label, mode, n, st, baseline=base,
+                        ratio=plain.median / st.median, ratio_kind="uncached / this (>1 = faster)",
+                        note=f"new process; reused {got[0]['cached']} tokens",
+                    )
+                )  # fmt: skip
+    return rows
 
 
 def run(lengths: list[int], ctx: Any) -> list[Row]:
-    if not have("mlxcache.integrations.mlx_vlm") or not have("mlxcache.prefix"):
-        ctx.note("mlxcache.integrations.mlx_vlm had not landed: TTFT rows are left out.")
+    if not have("mlxcache.prefix"):
+        ctx.note("mlxcache.prefix had not landed: TTFT rows are left out.")
         return []
-    if not have("mlx_vlm"):
-        ctx.note("mlx-vlm is not installed: TTFT rows are left out.")
-        return []
-    from mlxcache import open_backend
-    from mlxcache.prefix import PrefixCache
-    from mlxcache.prefix.model_id import model_identity
-    from mlxcache.tiny_models import build_model
-
     uris = []
     if have("mlxcache.backends.disk"):
         uris.append(("file://", f"file://{ctx.tmpdir / 'ttft-store'}"))
     if ctx.redis_url and have("mlxcache.backends.redis") and not ctx.smoke:
         uris.append(("redis://", ctx.redis_url))
-    models = MODELS[:1] if ctx.smoke else MODELS
-    runs = 1 if ctx.smoke else max(1, min(ctx.repeat, 3))
+    families = ("qwen2_vl", "llama") if ctx.smoke else FAMILIES
     rows: list[Row] = []
-    for family in models:
-        model, _ = build_model(family, 0)
-        ident = model_identity(model)
-        for n in lengths:
-            inputs = _inputs(family, max(n, 32))
-            _ttft(model, None, inputs)  # warm up kernels once, untimed
-            plain = Stats.of([_ttft(model, None, inputs)[0] for _ in range(runs)])
-            rows.append(Row(SECTION, f"{family} uncached", n, None, "s", plain, note="reference"))
-            for label, uri in uris:
-                backend = open_backend(uri)
-                try:
-                    cold_t, warm_t = [], []
-                    for _ in range(runs):
-                        cache = PrefixCache(
-                            backend, model=ident, salt=uuid.uuid4().hex, hot_bytes=0
-                        )
-                        t, cached = _ttft(model, cache, inputs)
-                        if cached:
-                            raise RuntimeError(f"{label}: a cold request found {cached} tokens")
-                        cold_t.append(t)
-                        t, cached = _ttft(model, cache, inputs)
-                        if cached < n - 1:
-                            raise RuntimeError(f"{label}: a warm request reused only {cached}")
-                        warm_t.append(t)
-                    cold, warm = Stats.of(cold_t), Stats.of(warm_t)
-                    rows.append(
-                        Row(
-                            SECTION,
-                            f"{family} {label} cold",
-                            n,
-                            None,
-                            "s",
-                            cold,
-                            baseline=f"{family} uncached",
-                            note=f"{cold.median / plain.median:.2f}x the uncached time",
-                        )
-                    )
-                    rows.append(
-                        Row(
-                            SECTION,
-                            f"{family} {label} warm",
-                            n,
-                            None,
-                            "s",
-                            warm,
-                            baseline=f"{family} {label} cold",
-                            ratio=cold.median / warm.median,
-                            ratio_kind="cold / warm (>1 = faster)",
-                            note=f"{plain.median / warm.median:.1f}x faster than uncached",
-                        )
-                    )
-                finally:
-                    backend.clear()
-                    backend.close()
+    for family in families:
+        engine = ENGINES[family]
+        if not engine.available():
+            ctx.note(f"ttft: {engine.engine} ({family}) is not installed: its rows are left out.")
+            continue
+        rows += _engine_rows(engine, lengths if not ctx.smoke else lengths[:1], uris, ctx)
+    for _, uri in uris:
+        from mlxcache import open_backend
+
+        backend = open_backend(uri)
+        backend.clear()
+        backend.close()
     return rows
+
+
+if __name__ == "__main__":
+    family, mode, store, n, salt, folder = sys.argv[1:7]
+    print(json.dumps(child(family, mode, store, int(n), salt, folder)))

@@ -88,6 +88,11 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
                 expected |= {("lookup", f"redis:// lookup ({k})") for k in LOOKUPS}
     if _importable("mlxcache.integrations.mlx_vlm") and _importable("mlxcache.backends.disk"):
         expected |= {("ttft", "qwen2_vl uncached"), ("ttft", "qwen2_vl file:// warm")}
+        expected |= {
+            ("ttft", f"qwen2_vl file:// {k}") for k in ("another worker", "after a restart")
+        }
+    if _importable("mlxcache.integrations.mlx_lm") and _importable("mlxcache.backends.disk"):
+        expected |= {("ttft", "llama file:// cold"), ("ttft", "llama file:// after a restart")}
     if _importable("mlx_lm") and _importable("mlxcache.integrations.mlx_lm.server"):
         expected |= {
             ("server", "mlx_lm.server warm, same process"),
@@ -179,4 +184,9 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "kept above" in text and "kept below" in text and "stale" not in text
     assert "### Headline" in text and "### Peers side by side" in text
+    # the page opens with the TTFT table (per engine: uncached ... after a restart)
+    assert text.index("### Time to first token") < text.index("### Headline")
+    assert "| mlx-lm generation (tiny llama) |" in text
+    even = [line for line in text.splitlines() if line.startswith("| break-even")]
+    assert even and not [line for line in even if "| 0 tokens |" in line]  # "< N", a length
     assert text.count("<!-- BEGIN GENERATED") == 1 and text.count("<!-- END GENERATED -->") == 1
