@@ -241,58 +241,35 @@ def _paddleocr_image(seed: int):
     return mx.array(pixels), {"image_grid_thw": mx.array([list(GRID)])}, tokens
 
 
+def _qwen(name: str, config: dict, notes: str, image=None, **more) -> Spec:
+    """A Qwen-layout family: one image on the 14-pixel grid, text ids below the specials."""
+    image = image or _qwen_image(3 * 2 * 14 * 14)
+    return Spec(name, config, image, text_ids=(1, 990), notes=notes, **more)
+
+
+# gated-delta layers: exact against the engine resumed at the same split, at a stored length
+_RECURRENT = {"expect": "exact", "split_sensitive": True}
+
 SPECS = [
-    Spec(
+    _qwen(
         "qwen3_vl",
         QWEN3_VL,
-        _qwen_image(3 * 2 * 14 * 14),
-        text_ids=(1, 990),
-        notes="deepstack rows cached with the image features; aligned by the LM at its offset",
+        "deepstack rows cached with the image features; aligned by the LM at its offset",
     ),
-    Spec(
-        "qwen3_vl_moe",
-        QWEN3_VL_MOE,
-        _qwen_image(3 * 2 * 14 * 14),
-        text_ids=(1, 990),
-        notes="as qwen3_vl, with MoE layers",
-    ),
-    Spec(
+    _qwen("qwen3_vl_moe", QWEN3_VL_MOE, "as qwen3_vl, with MoE layers"),
+    _qwen(
         "qwen3_5",
         QWEN3_5,
-        _qwen_image(3 * 2 * 14 * 14),
-        text_ids=(1, 990),
-        expect="exact",
-        split_sensitive=True,
-        notes="gated-delta recurrent layers: reused at a stored length only",
+        "gated-delta recurrent layers: reused at a stored length only",
+        **_RECURRENT,
     ),
-    Spec(
-        "qwen3_5_moe",
-        QWEN3_5_MOE,
-        _qwen_image(3 * 2 * 14 * 14),
-        text_ids=(1, 990),
-        expect="exact",
-        split_sensitive=True,
-        notes="as qwen3_5, with MoE layers",
-    ),
-    Spec(
-        "glm4v",
-        GLM4V,
-        _qwen_image(3 * 2 * 14 * 14),
-        text_ids=(1, 990),
-        notes="explicit position_ids are used as given: each chunk gets its slice",
-    ),
-    Spec(
-        "glm4v_moe",
-        GLM4V_MOE,
-        _qwen_image(3 * 2 * 14 * 14),
-        text_ids=(1, 990),
-        notes="as glm4v, with MoE layers",
-    ),
-    Spec(
+    _qwen("qwen3_5_moe", QWEN3_5_MOE, "as qwen3_5, with MoE layers", **_RECURRENT),
+    _qwen("glm4v", GLM4V, "explicit position_ids are used as given: each chunk gets its slice"),
+    _qwen("glm4v_moe", GLM4V_MOE, "as glm4v, with MoE layers"),
+    _qwen(
         "paddleocr_vl",
         PADDLEOCR_VL,
+        "as glm4v: explicit position_ids used as given",
         _paddleocr_image,
-        text_ids=(1, 990),
-        notes="as glm4v: explicit position_ids used as given",
     ),
 ]
