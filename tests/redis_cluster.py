@@ -10,6 +10,7 @@ sentinel = LocalSentinel()          # 1 primary, 1 replica, 3 sentinels watching
 sentinel.url                        # redis+sentinel://127.0.0.1:S1,.../mymaster/0
 sentinel.failover()                 # SIGKILL the primary; waits until the replica is promoted
 sentinel.heal()                     # restart the old primary (the sentinels make it a replica)
+with sentinel.no_failover(): ...    # the sentinels judge nothing down inside the block
 sentinel.close()
 
 Timeouts are small (cluster-node-timeout and down-after-milliseconds 1 s; pass others) so
@@ -23,7 +24,8 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import redis
 from redis_server import REDIS_SERVER, free_port, stop_process
@@ -273,6 +275,7 @@ class LocalSentinel(_Deployment):
 
     def __init__(self, down_after_ms: int = DOWN_AFTER_MS) -> None:
         super().__init__()
+        self.down_after_ms = down_after_ms
         self.primary = Node(self.root, "primary", [])
         self.replica = Node(self.root, "replica", [])
         self.replica.extra = ["--replicaof", "127.0.0.1", str(self.primary.port)]
@@ -342,6 +345,22 @@ class LocalSentinel(_Deployment):
 
         wait_for("the sentinels to promote the replica", promoted)
         return old
+
+    @contextmanager
+    def no_failover(self) -> Iterator[None]:
+        """Inside the block the sentinels judge no server down (down-after-milliseconds is an
+        hour), so stopping both servers tests the clients alone: a failover started while the
+        replica is stopped too can leave the sentinels without a primary for minutes."""
+        self._set_down_after(3_600_000)
+        try:
+            yield
+        finally:
+            self._set_down_after(self.down_after_ms)
+
+    def _set_down_after(self, ms: int) -> None:
+        for s in self.sentinels:
+            with s.client() as c:
+                c.execute_command("SENTINEL SET", SERVICE, "down-after-milliseconds", str(ms))
 
     def heal(self) -> None:
         """Restart a killed server as a replica of the current primary (as its rewritten config
