@@ -189,8 +189,8 @@ def as_version_1(blob: bytes, signer: Signer | None = None, key: str = "k") -> b
     base = header.data_offset
     views = [memoryview(blob[base + t.begin : base + t.end]) for t in header.tensors]
     mac = None if signer is None else signer.hasher()
-    checksum, tag = digests.digest_v1(
-        header.meta_bytes, header.tensors, views, checksum=True, mac=mac, key=key
+    checksum, tag = digests.digest(
+        header.meta_bytes, header.tensors, views, checksum=True, mac=mac, key=key, version=1
     )
     (n,) = struct.unpack("<Q", blob[:8])
     info = json.loads(blob[8 : 8 + n])

@@ -147,6 +147,18 @@ def _layout_of(m: Mapping[str, Any]) -> list[str]:
     return lay
 
 
+def _head(m: Mapping[str, Any], want: dict[str, Any], lay: list[str] | None, of: str) -> list[str]:
+    """The checks a block and a tail share: its kind, position and tokens are the request's,
+    and its layout is that of ``of`` (``lay``, when known); returns its layout."""
+    kind = want["kind"]
+    if any(m.get(k) != v for k, v in want.items()):
+        raise RecordMismatch(f"{kind} {' or '.join(list(want)[1:])} differ from the request")
+    own = _layout_of(m)
+    if lay is not None and own != lay:
+        raise RecordMismatch(f"{kind} layout differs from {of}")
+    return own
+
+
 def check_block(
     rec: Record | Placed,
     start: int,
@@ -160,11 +172,7 @@ def check_block(
     another format or a forged one is a mismatch here, never an exception when restoring.
     """
     m = rec.meta
-    if m.get("kind") != "block" or m.get("start") != start or m.get("tokens") != tokens:
-        raise RecordMismatch("block start or tokens differ from the request")
-    own = _layout_of(m)
-    if lay is not None and own != lay:
-        raise RecordMismatch("block layout differs from the earlier blocks")
+    own = _head(m, {"kind": "block", "start": start, "tokens": tokens}, lay, "the earlier blocks")
     params = m.get("params")
     if not isinstance(params, list) or len(params) != len(own):
         raise RecordMismatch("block params do not match its layout")
@@ -356,11 +364,7 @@ def _tail_layers(lay: list[str], windows: Sequence[int] | set[int]) -> list[int]
 
 def check_tail(rec: Record, length: int, tokens: bytes, lay: list[str] | None) -> list[str]:
     m = rec.meta
-    if m.get("kind") != "tail" or m.get("length") != length or m.get("tokens") != tokens:
-        raise RecordMismatch("tail length or tokens differ from the request")
-    own = _layout_of(m)
-    if lay is not None and own != lay:
-        raise RecordMismatch("tail layout differs from its blocks")
+    own = _head(m, {"kind": "tail", "length": length, "tokens": tokens}, lay, "its blocks")
     names = m.get("extras")
     if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
         raise RecordMismatch("tail extras are not a list of names")

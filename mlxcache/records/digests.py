@@ -44,14 +44,13 @@ def pack_table(table: Sequence[Any]) -> bytes:
     )
 
 
-def digest_v1(
+def _digest_v1(
     meta_bytes: bytes,
     table: Sequence[Any],
     buffers: Iterable[memoryview],
-    *,
     checksum: bool,
-    mac: Any = None,
-    key: str = "",
+    mac: Any,
+    key: str,
 ) -> tuple[str | None, str | None]:
     """Format 1: the xxh3 checksum and/or the keyed MAC in one sequential pass over the bytes.
 
@@ -216,12 +215,15 @@ def digest(
     checksum: bool,
     mac: Any = None,
     key: str = "",
+    version: int = FORMAT_VERSION,
 ) -> tuple[str | None, str | None]:
-    """Format 2: the checksum and/or the MAC of a record whose tensors are ``buffers``.
+    """The checksum and/or the MAC of a record whose tensors are ``buffers``.
 
-    ``buffers`` holds each tensor's bytes, in table order. Both digests of a piece are taken
-    while it is in cache, pieces spread over the cores.
+    ``buffers`` holds each tensor's bytes, in table order. Format 2 takes both digests of a
+    piece while it is in cache, pieces spread over the cores; format 1 is one sequential pass.
     """
+    if version == 1:
+        return _digest_v1(meta_bytes, table, buffers, checksum, mac, key)
     views = [memoryview(b).cast("B") for b in buffers]
     jobs = [(p,) for p in cut(views)]
     kinds = ([SUM] if checksum else []) + ([MAC] if mac is not None else [])
@@ -251,16 +253,26 @@ def verify(
 ) -> None:
     """Format 1: check the checksum, or with a signer the MAC (which covers all it covers)."""
     if signer is None:
-        actual_sum, _ = digest_v1(header.meta_bytes, header.tensors, buffers(), checksum=True)
+        actual_sum, _ = digest(
+            header.meta_bytes, header.tensors, buffers(), checksum=True, version=1
+        )
         if actual_sum != header.checksum:
             raise FormatError("checksum mismatch: the record is corrupt")
         return
     hasher, expected = _mac_hasher(header, key, signer)
-    _, actual = digest_v1(
-        header.meta_bytes, header.tensors, buffers(), checksum=False, mac=hasher, key=key or ""
+    _, actual = digest(
+        header.meta_bytes,
+        header.tensors,
+        buffers(),
+        checksum=False,
+        mac=hasher,
+        key=key or "",
+        version=1,
     )
     if not hmac.compare_digest(actual or "", expected):
-        actual_sum, _ = digest_v1(header.meta_bytes, header.tensors, buffers(), checksum=True)
+        actual_sum, _ = digest(
+            header.meta_bytes, header.tensors, buffers(), checksum=True, version=1
+        )
         if actual_sum != header.checksum:  # a second pass only on failure, to name the cause
             raise FormatError("checksum mismatch: the record is corrupt")
         raise UntrustedRecordError("MAC mismatch: forged, or replayed from another key")

@@ -11,14 +11,24 @@ from mlxcache.serializers.states import Adapter, check, int_field, kv_fields, se
 from mlxcache.serializers.windows import CHUNKED_WINDOW, ROTATING_WINDOW
 
 
-def _dump_kv(c: Any) -> dict[str, Any]:
-    n = int(c.offset)
+def _kv_state(c: Any, n: int) -> dict[str, Any]:
+    """The first ``n`` positions of a cache's keys and values, and ``n`` as the offset."""
     return {"keys": seq(c.keys, n), "values": seq(c.values, n), "offset": n}
 
 
-def _load_kv(cls: type, s: dict[str, Any]) -> Any:
+def _with_kv(cls: type, s: dict[str, Any]) -> Any:
+    """A new ``cls`` holding the state's keys and values (its length set by the caller)."""
     c = cls()
     c.keys, c.values = kv_fields(s)
+    return c
+
+
+def _dump_kv(c: Any) -> dict[str, Any]:
+    return _kv_state(c, int(c.offset))
+
+
+def _load_kv(cls: type, s: dict[str, Any]) -> Any:
+    c = _with_kv(cls, s)
     c.offset = int_field(s, "offset")
     check(c.keys is None or seq_len(c.keys) == c.offset, "offset does not match keys")
     return c
@@ -32,8 +42,7 @@ KV = Adapter(_dump_kv, _load_kv, _cut_kv, per_block=True)
 
 
 def _load_concat(cls: type, s: dict[str, Any]) -> Any:
-    c = cls()
-    c.keys, c.values = kv_fields(s)
+    c = _with_kv(cls, s)
     c.offset = 0 if c.keys is None else seq_len(c.keys)
     check(c.offset == int_field(s, "offset"), "offset does not match keys")
     return c
@@ -43,13 +52,11 @@ CONCAT = Adapter(_dump_kv, _load_concat, _cut_kv, per_block=True)
 
 
 def _dump_simple(c: Any) -> dict[str, Any]:
-    n = int(c.cache_length)
-    return {"keys": seq(c.keys, n), "values": seq(c.values, n), "offset": n}
+    return _kv_state(c, int(c.cache_length))
 
 
 def _load_simple(cls: type, s: dict[str, Any]) -> Any:
-    c = cls()
-    c.keys, c.values = kv_fields(s)
+    c = _with_kv(cls, s)
     c.cache_length = int_field(s, "offset")
     return c
 

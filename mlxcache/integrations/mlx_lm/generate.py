@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypedDict, cast
+from typing import Any, cast
 
 import mlx.core as mx
 
@@ -56,12 +56,8 @@ DEFAULT_QUANTIZED_KV_START = 5000  # mlx-lm's default
 LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
 
 
-class _KV(TypedDict):
-    """The KV-quantization options ``prefill`` and ``decode`` share."""
-
-    kv_bits: int | None
-    kv_group_size: int
-    quantized_kv_start: int
+# the options of ``prefill`` that ``decode_steps`` takes too
+_DECODE_OPTIONS = ("logits_processors", "kv_bits", "kv_group_size", "quantized_kv_start")
 
 
 def _prompt(input_ids: Any) -> mx.array:
@@ -319,40 +315,25 @@ def stream_generate_tokens(
     sampler: Sampler | None = None,
     eos_token_ids: Sequence[int] = (),
     tokenizer: Any = None,
-    prefill_step_size: int = DEFAULT_PREFILL_STEP_SIZE,
-    max_kv_size: int | None = None,
-    kv_bits: int | None = None,
-    kv_group_size: int = 64,
-    quantized_kv_start: int = DEFAULT_QUANTIZED_KV_START,
-    logits_processors: Sequence[LogitsProcessor] | None = None,
-    prompt_progress_callback: Callable[[int, int], None] | None = None,
+    **prefill_options: Any,
 ) -> Iterator[GenerationStep]:
     """Yield the tokens of a prompt given as ids, on a ``PrefixCache`` (or None: uncached).
 
     Without ``eos_token_ids`` it runs ``max_tokens`` tokens, as ``generate_step`` does. A
     ``tokenizer`` (mlx-lm's, or a Hugging Face one) only fills ``text`` (EOS tokens add none).
-    Times count from the call, cache lookup and restore included.
+    ``prefill_options`` are ``prefill``'s; its logits processors and KV quantization apply to
+    the decoded tokens too. Times count from the call, cache lookup and restore included.
     """
     t0 = time.perf_counter()
-    kv = _KV(kv_bits=kv_bits, kv_group_size=kv_group_size, quantized_kv_start=quantized_kv_start)
-    state = prefill(
-        model,
-        input_ids,
-        cache=cache,
-        prefill_step_size=prefill_step_size,
-        max_kv_size=max_kv_size,
-        logits_processors=logits_processors,
-        prompt_progress_callback=prompt_progress_callback,
-        **kv,
-    )
+    state = prefill(model, input_ids, cache=cache, **prefill_options)
+    shared = {k: v for k, v in prefill_options.items() if k in _DECODE_OPTIONS}
     tokens = decode_steps(
         model,
         state,
         max_tokens=max_tokens,
         sampler=sampler or make_sampler(temperature),
         eos_token_ids=eos_token_ids,
-        logits_processors=logits_processors,
-        **kv,
+        **shared,
     )
     text = _Text(_wrap(tokenizer), eos_token_ids) if tokenizer is not None else None
     yield from stream_result(

@@ -183,16 +183,10 @@ def prefill(
     stored = 0
     repeat = whole.lookup(cache, tokens, fresh, repeat_keys) if repeat_keys else None
     if repeat is not None:  # the cache and last logits of the engine's pass over this prompt
-        prompt_cache, logits = repeat
-        return Prefill(
-            prompt_cache=prompt_cache,
-            extras={},
-            num_cached_tokens=n,
-            logits=logits,
-            num_tokens=n,
-            cached=True,
-            token_ids=tokens,
-        )
+        prompt_cache, last = repeat
+        state = Prefill(prompt_cache, extras={}, num_cached_tokens=n, logits=last, num_tokens=n)
+        state.token_ids = tokens
+        return state
     if one_pass:
         out = run(0, n)
         if repeat_keys and not carried_outputs(out):
