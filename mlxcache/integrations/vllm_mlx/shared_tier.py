@@ -249,6 +249,10 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
                 cache, remaining = super().fetch(tokens)
             return self._shared_fetch(tokens, cache, remaining, self._tier(salt))
 
+        def fetch_exact_auxiliary(self, tokens: list[int]) -> Any:
+            # the batched MLLM path asks it before its lookup: the same request's salt
+            return super().fetch_exact_auxiliary(salts.salted(tokens, salts.admitting()))
+
         def prepare_store(self, tokens: list[int], cache: list[Any], *args: Any, **kw: Any):
             found = salts.salts_of(tokens)
             if len(found) > 1:  # prompts of several salts share these tokens: not stored
