@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
 from sdk_clients import Clients, messages, usage_seen
-from vllm_servers import NAME, TEXT, Server, require_vllm_python, server_args
+from vllm_servers import CHAT, NAME, TEXT, Server, require_vllm_python, server_args
 
 from mlxcache.tiny_models import build_tiny_lm
 
@@ -114,7 +114,13 @@ def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
     assert first.chat(salt="alice") == (expected, prompt_tokens, 0)
     assert first.chat(salt="bob") == (expected, prompt_tokens, 0)
     assert first.chat(header="bob") == (expected, prompt_tokens, prompt_tokens - 1)
-    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
+    clients = Clients(first.url, NAME)
+    dave = {"extra_body": {"cache_salt": "dave"}}  # streamed: the same
+    assert [clients.openai_stream(CHAT, dave) for _ in range(2)] == [
+        (prompt_tokens, 0),
+        (prompt_tokens, prompt_tokens - 1),
+    ]
+    seen = usage_seen(clients, *messages(TEXT), responses=TEXT)
     assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
     second = servers(cache)

@@ -106,7 +106,13 @@ def test_simple_mode_reuses_an_image_prompt_and_after_a_restart(vlm_servers, tmp
     assert _ask(first, "A", header="bob") == (expected, prompt_tokens, prompt_tokens - 1)
     # both SDKs, streamed or not, default sampling or temperature=0.7/top_p=0.9: cached
     turns = messages(QUESTION, png_b64())
-    seen = usage_seen(Clients(first.url, NAME), *turns)
+    clients = Clients(first.url, NAME)
+    dave = {"extra_body": {"cache_salt": "dave"}}  # streamed: the same
+    assert [clients.openai_stream(_messages(CASES["A"]), dave) for _ in range(2)] == [
+        (prompt_tokens, 0),
+        (prompt_tokens, prompt_tokens - 1),
+    ]
+    seen = usage_seen(clients, *turns)
     assert len(seen) == 10 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
 

@@ -105,19 +105,24 @@ def retire(request_ids: Any) -> None:
             _IN_FLIGHT.pop(request_id, None)
 
 
+def keyed(tokens: Sequence[int]) -> bool:
+    """Whether ``tokens`` begin with a salt's sentinel."""
+    return len(tokens) >= SENTINEL and all(t < 0 for t in tokens[:SENTINEL])
+
+
 def key_salt(tokens: Sequence[int]) -> str:
-    """The salt of an entry keyed with a sentinel ("" for a plain key)."""
-    key = tuple(tokens[:SENTINEL])
-    if len(key) == SENTINEL and all(t < 0 for t in key):
+    """The salt of an entry keyed with a sentinel ("" for a plain key, or a sentinel no longer
+    remembered: see ``keyed``)."""
+    if keyed(tokens):
         with _LOCK:
-            return _BY_SENTINEL.get(key, "")
+            return _BY_SENTINEL.get(tuple(tokens[:SENTINEL]), "")
     return ""
 
 
 def salts_of(tokens: Sequence[int]) -> set[str]:
     """The salts an entry to store may belong to: its sentinel's, else those of the prompts in
     flight that share the longest prefix with it (one salt, or several: ambiguous)."""
-    if key_salt(tokens) or (len(tokens) >= SENTINEL and all(t < 0 for t in tokens[:SENTINEL])):
+    if keyed(tokens):
         return {key_salt(tokens)}
     key = tuple(tokens)
     best, found = 0, set[str]()
@@ -135,7 +140,7 @@ def salts_of(tokens: Sequence[int]) -> set[str]:
 def salted(tokens: Sequence[int], salt: str) -> list[int]:
     """``tokens`` keyed for ``salt`` (unchanged without one or when already keyed)."""
     key = list(tokens)
-    if not salt or (len(key) >= SENTINEL and all(t < 0 for t in key[:SENTINEL])):
+    if not salt or keyed(key):
         return key
     return [*sentinel(salt), *key]
 
@@ -143,9 +148,7 @@ def salted(tokens: Sequence[int], salt: str) -> list[int]:
 def unsalted(tokens: Sequence[int]) -> list[int]:
     """``tokens`` without a salt's sentinel."""
     key = list(tokens)
-    if len(key) >= SENTINEL and all(t < 0 for t in key[:SENTINEL]):
-        return key[SENTINEL:]
-    return key
+    return key[SENTINEL:] if keyed(key) else key
 
 
 class SaltMiddleware:

@@ -292,8 +292,9 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
 
         def commit_prepared(self, entry: Any, *args: Any, **kwargs: Any) -> bool:
             ok = super().commit_prepared(entry, *args, **kwargs)
-            if ok:
-                tier = self._tier(salts.key_salt(entry.tokens))
+            salt = salts.key_salt(entry.tokens)
+            if ok and (salt or not salts.keyed(entry.tokens)):  # a forgotten salt: memory only
+                tier = self._tier(salt)
                 tier.store(salts.unsalted(entry.tokens), _plain_layers(list(entry.cache)))
             return ok
 
