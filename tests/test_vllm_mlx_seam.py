@@ -1,5 +1,5 @@
 """The parts of the vllm-mlx seam that need no vllm-mlx: the prompt count that carries cached
-tokens, the version range."""
+tokens, the version range, salt sentinels and salted system-prompt snapshots."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from mlxcache.integrations.vllm_mlx import salts
+from mlxcache.integrations.vllm_mlx.engine_salts import SaltedSnapshots
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
 
 
@@ -40,3 +42,30 @@ def test_a_version_outside_the_tested_range_is_one_line_before_any_model(tmp_pat
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "vllm-mlx 0.7.1 is outside the tested range" in lines[0], run.stderr
+
+
+def test_a_forgotten_salt_sentinel_still_marks_a_salted_key():
+    """A key whose salt fell out of the sentinels remembered is still salted (``keyed``): the
+    shared tier then keeps it in memory only, never under the plain tokens."""
+    key = salts.salted([5, 6, 7], "alice")
+    assert salts.keyed(key) and salts.key_salt(key) == "alice" and salts.unsalted(key) == [5, 6, 7]
+    assert not salts.keyed([5, 6, 7]) and salts.salted(key, "bob") == key
+    for i in range(4100):  # more salts than are remembered
+        salts.sentinel(f"user {i}")
+    assert salts.keyed(key) and salts.key_salt(key) == ""
+    assert salts.sentinel("alice") == tuple(key[: salts.SENTINEL])  # the same words again
+
+
+def test_system_prompt_snapshots_are_each_salts_own():
+    """vllm-mlx's system-prompt KV LRU under ``engine_salts``: a key is found only under the
+    salt (or no salt) it was stored with."""
+    snapshots = SaltedSnapshots()
+    snapshots["h"] = "plain"
+    with salts.serving("alice"):
+        assert "h" not in snapshots and snapshots.get("h") is None
+        snapshots["h"] = "alice's"
+        snapshots.move_to_end("h")
+        assert snapshots["h"] == "alice's"
+    with salts.serving("bob"):
+        assert "h" not in snapshots and snapshots.pop("h", None) is None
+    assert snapshots["h"] == "plain" and len(snapshots) == 2

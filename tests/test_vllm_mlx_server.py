@@ -9,6 +9,7 @@ Every answer is compared with vllm-mlx's own server with its prefix cache off.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
 from sdk_clients import Clients, messages, usage_seen
-from vllm_servers import NAME, TEXT, Server, require_vllm_python, server_args
+from vllm_servers import CHAT, NAME, TEXT, Server, require_vllm_python, server_args
 
 from mlxcache.tiny_models import build_tiny_lm
 
@@ -109,11 +110,29 @@ def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
     first = servers(cache)
     assert first.chat() == (expected, prompt_tokens, 0)
     assert first.chat() == (expected, prompt_tokens, prompt_tokens - 1)
-    seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
+    # a request's cache_salt (body) or X-Cache-Salt (header): its own entries, hot and shared
+    assert first.chat(salt="alice") == (expected, prompt_tokens, 0)
+    assert first.chat(salt="bob") == (expected, prompt_tokens, 0)
+    assert first.chat(header="bob") == (expected, prompt_tokens, prompt_tokens - 1)
+    clients = Clients(first.url, NAME)
+    dave = {"extra_body": {"cache_salt": "dave"}}  # streamed: the same
+    assert [clients.openai_stream(CHAT, dave) for _ in range(2)] == [
+        (prompt_tokens, 0),
+        (prompt_tokens, prompt_tokens - 1),
+    ]
+    seen = usage_seen(clients, *messages(TEXT), responses=TEXT)
     assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
     second = servers(cache)
     assert second.chat() == (expected, prompt_tokens, prompt_tokens - 1)
+    assert second.chat(salt="bob") == (expected, prompt_tokens, prompt_tokens - 1)  # stored
+    assert second.chat(salt="carol") == (expected, prompt_tokens, 0)
+    # vllm-mlx's own system-prompt KV snapshots are the salt's own too
+    system = [{"role": "system", "content": TEXT}, {"role": "user", "content": "hello"}]
+    for salt in ("alice", "bob", "bob"):
+        second.chat(system, salt=salt)
+    counters = second.get("/v1/cache/stats")["engine_cache"]["system_kv_cache"]["counters"]
+    assert (counters["misses"], counters["hits"]) == (2, 1), counters
     clients = Clients(second.url, NAME)
     n, read = clients.anthropic_stream(messages(TEXT)[1], {})[0]
     assert read == n - 1
@@ -213,3 +232,54 @@ def test_without_vllm_mlx_one_line_says_what_to_install(tiny_lm):
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and "vllm-mlx is not installed" in lines[0], run.stderr
+
+
+UNINSTALL = """
+import importlib, json
+from starlette.applications import Starlette
+from mlxcache.integrations.vllm_mlx import engine_salts, mllm_salts, salts, seam
+NAMES = {
+    "vllm_mlx.engine_core": ["Request"],
+    "vllm_mlx.scheduler": ["MemoryAwarePrefixCache", "Scheduler.add_request",
+                           "Scheduler._cleanup_finished", "Scheduler.remove_finished_request"],
+    "vllm_mlx.mllm_scheduler": ["MLLMScheduler.add_request", "MLLMScheduler._schedule_waiting",
+                                "MLLMScheduler._cleanup_finished",
+                                "MLLMScheduler.remove_finished_request", "MLLMScheduler.step"],
+    "vllm_mlx.mllm_batch_generator": ["MemoryAwarePrefixCache", "VisionEmbeddingCache",
+                                      "is_text_only_prefix_cache_request",
+                                      "MLLMBatchGenerator._preprocess_request"],
+    "vllm_mlx.engine.simple": ["SimpleEngine.__init__", "SimpleEngine.chat",
+                               "SimpleEngine._submit_to_generation_worker"],
+}
+def names():
+    out = {}
+    for module, attrs in NAMES.items():
+        for attr in attrs:
+            obj = importlib.import_module(module)
+            for part in attr.split("."):
+                obj = vars(obj)[part]
+            out[f"{module}.{attr}"] = obj
+    return out
+before = names()
+seam.install("memory://")
+salts.install(Starlette())
+engine_salts.install()
+mllm_salts.install()
+during = names()
+salts.uninstall()
+seam.uninstall()
+after = names()
+print(json.dumps([[k for k in before if during[k] is before[k]],
+                  [k for k in before if after[k] is not before[k]]]))
+"""
+
+
+def test_uninstall_puts_back_every_name(vllm_python):
+    """``seam.install`` and the salts' installs (as ``mlxcache serve`` makes them) replace
+    these names; ``salts.uninstall`` and ``seam.uninstall`` put every one back (run in the
+    vllm-mlx venv, no model)."""
+    run = subprocess.run([vllm_python, "-c", UNINSTALL], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    unchanged, not_restored = json.loads(run.stdout.strip().splitlines()[-1])
+    assert unchanged == [] and not_restored == []

@@ -69,8 +69,22 @@ def vlm_servers(tmp_path, vllm_python, tiny_vlm):
         s.kill()
 
 
-def _ask(server: Server, case: str) -> tuple[str, int, int | None]:
-    return server.chat(_messages(CASES[case]), max_tokens=16)
+def _ask(server: Server, case: str, **salt: str) -> tuple[str, int, int | None]:
+    return server.chat(_messages(CASES[case]), max_tokens=16, **salt)
+
+
+def _hits(server: Server, case: str | None, **salt: str) -> tuple[str, int]:
+    """The answer to ``case`` (None: a text-only prompt) and how many hits it made in the
+    vision cache (the prefix cache for text)."""
+    cache, field = ("prefix_cache", "hits") if case is None else ("vision_embedding_cache",
+                                                                  "pixel_cache_hits")  # fmt: skip
+
+    def hits() -> int:
+        return server.get("/v1/cache/stats")["engine_cache"][cache][field]
+
+    before = hits()
+    text = server.chat(**salt)[0] if case is None else _ask(server, case, **salt)[0]
+    return text, hits() - before
 
 
 def test_simple_mode_reuses_an_image_prompt_and_after_a_restart(vlm_servers, tmp_path):
@@ -86,9 +100,19 @@ def test_simple_mode_reuses_an_image_prompt_and_after_a_restart(vlm_servers, tmp
     assert (text, cached) == (expected, 0)
     text, _, cached = _ask(first, "A")
     assert (text, cached) == (expected, prompt_tokens - 1)
+    # a request's cache_salt (body) or X-Cache-Salt (header): its own entries
+    assert _ask(first, "A", salt="alice") == (expected, prompt_tokens, 0)
+    assert _ask(first, "A", salt="bob") == (expected, prompt_tokens, 0)
+    assert _ask(first, "A", header="bob") == (expected, prompt_tokens, prompt_tokens - 1)
     # both SDKs, streamed or not, default sampling or temperature=0.7/top_p=0.9: cached
     turns = messages(QUESTION, png_b64())
-    seen = usage_seen(Clients(first.url, NAME), *turns)
+    clients = Clients(first.url, NAME)
+    dave = {"extra_body": {"cache_salt": "dave"}}  # streamed: the same
+    assert [clients.openai_stream(_messages(CASES["A"]), dave) for _ in range(2)] == [
+        (prompt_tokens, 0),
+        (prompt_tokens, prompt_tokens - 1),
+    ]
+    seen = usage_seen(clients, *turns)
     assert len(seen) == 10 and all(read == n - 1 for n, read in seen.values()), seen
     first.kill()
 
@@ -97,6 +121,8 @@ def test_simple_mode_reuses_an_image_prompt_and_after_a_restart(vlm_servers, tmp
     assert (text, cached) == (expected, prompt_tokens - 1)
     stats = second.get("/v1/cache/stats")["engine_cache"]["mllm_cache"]
     assert stats["mlxcache"]["hits"] == 1 and stats["tokens_saved"] == prompt_tokens - 1
+    assert _ask(second, "A", salt="bob") == (expected, prompt_tokens, prompt_tokens - 1)
+    assert _ask(second, "A", salt="carol") == (expected, prompt_tokens, 0)
     clients = Clients(second.url, NAME)
     assert clients.openai_stream(turns[0], {"temperature": 0.7, "top_p": 0.9}) == (
         prompt_tokens,
@@ -111,6 +137,7 @@ def test_batched_images_in_order(vlm_servers, tmp_path):
     flags = ("--continuous-batching",)
     ref = vlm_servers(None, *flags, reference=True)
     expected = {case: _ask(ref, case)[0] for case in ("A", "B", "AB")}
+    text = ref.chat()[0]  # a text-only prompt (the path's prefix cache)
     ref.kill()
     ref = vlm_servers(None, *flags, reference=True)  # nothing cached: [B, A] its own
     expected["BA"] = _ask(ref, "BA")[0]
@@ -120,6 +147,13 @@ def test_batched_images_in_order(vlm_servers, tmp_path):
     cache = f"file://{tmp_path / 'cache'}"
     first = vlm_servers(cache, *flags)
     assert {case: _ask(first, case)[0] for case in CASES} == expected
+    # a request's cache_salt (body) or X-Cache-Salt (header): its own vision entries
+    assert _hits(first, "A", salt="alice") == (expected["A"], 0)
+    assert _hits(first, "A", salt="bob") == (expected["A"], 0)
+    assert _hits(first, "A", header="bob") == (expected["A"], 1)
+    # text-only requests on this path: their prefix-cache entries are the salt's own too
+    salts = ({}, {"salt": "alice"}, {"salt": "bob"}, {"header": "bob"}, {})
+    assert [_hits(first, None, **salt) for salt in salts] == [(text, n) for n in (0, 0, 0, 1, 1)]
     first.kill()
     second = vlm_servers(cache, *flags)
     assert {case: _ask(second, case)[0] for case in ("BA", "AB")} == {
@@ -128,3 +162,7 @@ def test_batched_images_in_order(vlm_servers, tmp_path):
     }
     vision = second.get("/v1/cache/stats")["engine_cache"]["vision_embedding_cache"]
     assert vision["pixel_cache_hits"] == 2  # both from the entries the first server stored
+    assert _hits(second, "A", salt="bob") == (expected["A"], 1)  # stored by the first
+    assert _hits(second, "A", salt="carol") == (expected["A"], 0)
+    assert _hits(second, None, salt="bob") == (text, 1)  # from the shared tier
+    assert _hits(second, None, salt="carol") == (text, 0)

@@ -1,29 +1,38 @@
 """A request's ``cache_salt`` (body) or ``X-Cache-Salt`` (header) in vllm-mlx's server.
 
-vllm-mlx 0.6 has no per-request salt. ``install()`` adds one for text with
-``--continuous-batching`` (its ``MemoryAwarePrefixCache``, where mlxcache's shared tier runs):
+vllm-mlx 0.6 has no per-request salt. ``mlxcache serve`` adds one on every path that caches
+(``install()`` here, ``engine_salts.install()`` and ``mllm_salts.install()``):
 
 - an ASGI middleware reads the salt of every chat completions and completions request
-  (``request_salt``; a bad one is answered 400) into a context variable;
-- ``vllm_mlx.engine_core.Request`` is a subclass that keeps it (it is built in the request's
-  task), and ``Scheduler.add_request`` makes it the salt of that request's lookup;
+  (``request_salt``; a bad one is answered 400) into a context variable (``current()``);
+- text with ``--continuous-batching``: ``vllm_mlx.engine_core.Request`` is a subclass that
+  keeps it (it is built in the request's task), and ``Scheduler.add_request`` makes it the
+  salt of that request's lookup (``admit``);
+- the batched MLLM path (``--mllm --continuous-batching``): ``mllm_salts.py`` carries it to
+  the vision cache and to the text-only requests' prefix-cache lookups the same way;
+- the default mode (``SimpleEngine``, text and images): ``engine_salts.py`` runs the engine's
+  generation steps in the request's context, where ``simple_text.py`` and ``simple_vlm.py``
+  key their caches by it, and salts vllm-mlx's own system-prompt KV snapshots;
 - the prefix cache keys a salted request's entries behind a 128-bit sentinel of negative
   "tokens" (no real token is negative), so salted and unsalted entries never match in its
   in-process LRU, and the shared tier gives each salt its own ``PrefixCache`` (see
   ``shared_tier.py``). A store takes the salt of the unfinished request whose prompt it shares
   the longest prefix with; when prompts of several salts tie (the same prompt, or a prefix
   they all share), it is not stored: a miss later, never another salt's block.
+
+No salt keeps every key as it was. ``uninstall()`` puts back every name the three replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import importlib
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from mlxcache.integrations.asgi import replaying, send_json
@@ -52,6 +61,26 @@ def sentinel(salt: str) -> tuple[int, ...]:
     return words
 
 
+def current() -> str:
+    """The salt of the request this code serves ("" for none)."""
+    return _REQUEST.get()
+
+
+@contextlib.contextmanager
+def serving(salt: str) -> Iterator[None]:
+    """Run a block as serving a request of ``salt`` (where the request's task is not)."""
+    token = _REQUEST.set(salt)
+    try:
+        yield
+    finally:
+        _REQUEST.reset(token)
+
+
+def admit(salt: str, request_id: str | None) -> None:
+    """The request whose prefix-cache lookup the engine makes next on this thread."""
+    _ADMITTING.salt, _ADMITTING.request_id = salt, request_id
+
+
 def admitting() -> str:
     """The salt of the lookup the scheduler is making on this thread ("" for none)."""
     return getattr(_ADMITTING, "salt", "")
@@ -76,19 +105,24 @@ def retire(request_ids: Any) -> None:
             _IN_FLIGHT.pop(request_id, None)
 
 
+def keyed(tokens: Sequence[int]) -> bool:
+    """Whether ``tokens`` begin with a salt's sentinel."""
+    return len(tokens) >= SENTINEL and all(t < 0 for t in tokens[:SENTINEL])
+
+
 def key_salt(tokens: Sequence[int]) -> str:
-    """The salt of an entry keyed with a sentinel ("" for a plain key)."""
-    key = tuple(tokens[:SENTINEL])
-    if len(key) == SENTINEL and all(t < 0 for t in key):
+    """The salt of an entry keyed with a sentinel ("" for a plain key, or a sentinel no longer
+    remembered: see ``keyed``)."""
+    if keyed(tokens):
         with _LOCK:
-            return _BY_SENTINEL.get(key, "")
+            return _BY_SENTINEL.get(tuple(tokens[:SENTINEL]), "")
     return ""
 
 
 def salts_of(tokens: Sequence[int]) -> set[str]:
     """The salts an entry to store may belong to: its sentinel's, else those of the prompts in
     flight that share the longest prefix with it (one salt, or several: ambiguous)."""
-    if key_salt(tokens) or (len(tokens) >= SENTINEL and all(t < 0 for t in tokens[:SENTINEL])):
+    if keyed(tokens):
         return {key_salt(tokens)}
     key = tuple(tokens)
     best, found = 0, set[str]()
@@ -106,7 +140,7 @@ def salts_of(tokens: Sequence[int]) -> set[str]:
 def salted(tokens: Sequence[int], salt: str) -> list[int]:
     """``tokens`` keyed for ``salt`` (unchanged without one or when already keyed)."""
     key = list(tokens)
-    if not salt or (len(key) >= SENTINEL and all(t < 0 for t in key[:SENTINEL])):
+    if not salt or keyed(key):
         return key
     return [*sentinel(salt), *key]
 
@@ -114,9 +148,7 @@ def salted(tokens: Sequence[int], salt: str) -> list[int]:
 def unsalted(tokens: Sequence[int]) -> list[int]:
     """``tokens`` without a salt's sentinel."""
     key = list(tokens)
-    if len(key) >= SENTINEL and all(t < 0 for t in key[:SENTINEL]):
-        return key[SENTINEL:]
-    return key
+    return key[SENTINEL:] if keyed(key) else key
 
 
 class SaltMiddleware:
@@ -146,20 +178,19 @@ class SaltMiddleware:
             salt = request_salt(body, header.decode() if header is not None else None)
         except SaltError as exc:
             return await send_json(send, 400, json.dumps({"error": str(exc)}).encode())
-        token = _REQUEST.set(salt)
-        try:
+        with serving(salt):
             await self.app(scope, replaying(raw, receive), send)
-        finally:
-            _REQUEST.reset(token)
 
 
-def _replace(obj: Any, name: str, value: Any) -> None:
+def patch(obj: Any, name: str, value: Any) -> None:
+    """Replace ``obj.name`` until ``uninstall()``."""
     _undo.append((obj, name, getattr(obj, name)))
     setattr(obj, name, value)
 
 
 def install(app: Any) -> None:
-    """Add the middleware to vllm-mlx's ``app`` and carry each request's salt to its lookup."""
+    """Add the middleware to vllm-mlx's ``app`` and carry each request's salt to the text
+    scheduler's lookups (``engine_salts`` and ``mllm_salts`` carry it on the other paths)."""
     engine_core = importlib.import_module("vllm_mlx.engine_core")
     scheduler = importlib.import_module("vllm_mlx.scheduler")
     base = engine_core.Request
@@ -179,12 +210,11 @@ def install(app: Any) -> None:
     )
 
     def add_salted_request(self: Any, request: Any) -> None:
-        _ADMITTING.salt = getattr(request, "mlxcache_salt", "")
-        _ADMITTING.request_id = request.request_id
+        admit(getattr(request, "mlxcache_salt", ""), request.request_id)
         try:
             add_request(self, request)
         finally:
-            _ADMITTING.salt, _ADMITTING.request_id = "", None
+            admit("", None)
 
     def cleanup_finished(self: Any, finished_ids: Any) -> Any:
         try:
@@ -196,10 +226,10 @@ def install(app: Any) -> None:
         retire([request_id])
         return remove(self, request_id)
 
-    _replace(engine_core, "Request", SaltedRequest)
-    _replace(cls, "add_request", add_salted_request)
-    _replace(cls, "_cleanup_finished", cleanup_finished)
-    _replace(cls, "remove_finished_request", remove_finished_request)
+    patch(engine_core, "Request", SaltedRequest)
+    patch(cls, "add_request", add_salted_request)
+    patch(cls, "_cleanup_finished", cleanup_finished)
+    patch(cls, "remove_finished_request", remove_finished_request)
     app.add_middleware(SaltMiddleware)
 
 

@@ -107,10 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         from vllm_mlx import server
 
-        from mlxcache.integrations.vllm_mlx import salts
+        from mlxcache.integrations.vllm_mlx import engine_salts, mllm_salts, salts
 
         _metrics_route(server.app)
-        salts.install(server.app)  # a request's cache_salt joins its keys
+        salts.install(server.app)  # a request's cache_salt joins its keys, on every path
+        engine_salts.install()
+        mllm_salts.install()
         log.info("mlxcache serve: vllm-mlx %s on %r", version, backend)
         try:
             return _run(cli, _vllm_argv(model, rest))

@@ -249,6 +249,10 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
                 cache, remaining = super().fetch(tokens)
             return self._shared_fetch(tokens, cache, remaining, self._tier(salt))
 
+        def fetch_exact_auxiliary(self, tokens: list[int]) -> Any:
+            # the batched MLLM path asks it before its lookup: the same request's salt
+            return super().fetch_exact_auxiliary(salts.salted(tokens, salts.admitting()))
+
         def prepare_store(self, tokens: list[int], cache: list[Any], *args: Any, **kw: Any):
             found = salts.salts_of(tokens)
             if len(found) > 1:  # prompts of several salts share these tokens: not stored
@@ -288,8 +292,9 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
 
         def commit_prepared(self, entry: Any, *args: Any, **kwargs: Any) -> bool:
             ok = super().commit_prepared(entry, *args, **kwargs)
-            if ok:
-                tier = self._tier(salts.key_salt(entry.tokens))
+            salt = salts.key_salt(entry.tokens)
+            if ok and (salt or not salts.keyed(entry.tokens)):  # a forgotten salt: memory only
+                tier = self._tier(salt)
                 tier.store(salts.unsalted(entry.tokens), _plain_layers(list(entry.cache)))
             return ok
 

@@ -9,6 +9,9 @@ with mlx-lm's ``make_sampler(temperature, top_p)`` on the restored cache). ``ins
   repeat, a second server or a restarted one skips the prefill of what was computed;
 - sends non-streamed text ``chat`` through ``stream_chat`` (vllm-mlx already does so for
   requests with tools or logits processors), so both reach the cache;
+- keys the cache by the request's ``cache_salt`` too (``Salted``: its own hot and shared
+  entries; ``engine_salts.py`` carries the salt onto the generation thread), while a request
+  without one keeps the model's keys;
 - reports the reused tokens in the prompt count (``usage.PromptCount``): OpenAI's
   ``cached_tokens`` and Anthropic's ``cache_read_input_tokens``.
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from mlxcache.integrations.vllm_mlx import salts
 from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, identity
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
 
@@ -32,16 +36,18 @@ _saved: dict[str, Any] = {}
 
 
 def _trie_class(config: TierConfig) -> type:
-    """``SharedPromptCache`` keyed by the model's identity: vllm-mlx passes the model object,
-    which (an ``nn.Module``, a dict) cannot key mlx-lm's trie, so its own cache never hits."""
-    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
+    """``SharedPromptCache`` keyed by the model's identity and the request's salt: vllm-mlx
+    passes the model object, which (an ``nn.Module``, a dict) cannot key mlx-lm's trie, so its
+    own cache never hits."""
+    from mlxcache.integrations.mlx_lm.prompt_cache import Salted, SharedPromptCache
 
     names: dict[int, tuple[Any, str]] = {}
 
-    def name(model: Any) -> str:
+    def name(model: Any) -> Any:
         if id(model) not in names:  # the model is kept so its id is never reused
             names[id(model)] = (model, identity(model, config, revision="simple-text"))
-        return names[id(model)][1]
+        salt = salts.current()  # the request being served, on the generation thread too
+        return Salted(names[id(model)][1], salt) if salt else names[id(model)][1]
 
     class ModelNamedPromptCache(SharedPromptCache):
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> Any:

@@ -9,26 +9,30 @@ scratch ("delegating to mlx-vlm"). ``install(config)`` changes two things:
   model, tokens and images (by content, in order): the longest stored prefix is restored, only
   the rest is prefilled, and the tokens are sampled by mlx-vlm's own sampler and logits
   processors for any sampling settings (``vlm_sampling.py``); greedy answers equal mlx-vlm's
-  uncached ones. Requests without images, or with settings a restored prefix cannot serve
+  uncached ones. The request's ``cache_salt`` joins the server's salt in that cache's keys
+  (one ``PrefixCache`` per model and salt; ``engine_salts.py`` carries the salt onto the
+  generation thread). Requests without images, or with settings a restored prefix cannot serve
   (a draft model, audio, KV quantization) go to mlx-vlm as before. The prompt count carries
   the cached tokens (``usage.PromptCount``), streamed too;
 - ``vllm_mlx.models.mllm.MLLMPrefixCacheManager`` is mlxcache's compatible manager on the
-  backend (model in every key). Inside ``chat``/``stream_chat`` it answers "miss" and stores
-  nothing (the ``PrefixCache`` holds the KV), and its stats count the reuse that happened.
+  backend (model, server salt and request salt in every key). Inside ``chat``/``stream_chat``
+  it answers "miss" and stores nothing (the ``PrefixCache`` holds the KV), and its stats
+  count the reuse that happened.
 """
 
 from __future__ import annotations
 
 import contextvars
-import hashlib
 import logging
 import threading
 from typing import Any
 
-from mlxcache.integrations.vllm_mlx import vlm_sampling
+from mlxcache.integrations.request_salt import join_salt
+from mlxcache.integrations.vllm_mlx import salts, vlm_sampling
 from mlxcache.integrations.vllm_mlx.mllm_cache import MLLMPrefixCacheManager
-from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, TIER_FORMAT, TierConfig, identity
+from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, TierConfig, identity
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
+from mlxcache.integrations.vllm_mlx.vision_seam import namespace
 from mlxcache.prefix import PrefixCache
 
 log = logging.getLogger("mlxcache")
@@ -38,17 +42,20 @@ _saved: dict[str, Any] = {}
 
 
 class _Prefixes:
-    """One ``PrefixCache`` per loaded model, with the counters the manager reports."""
+    """One ``PrefixCache`` per loaded model and request salt, with the counters the manager
+    reports."""
 
     def __init__(self, config: TierConfig) -> None:
         self.config = config
-        self._by_model: dict[int, PrefixCache] = {}
+        self._by_model: dict[tuple[int, str], PrefixCache] = {}
         self._lock = threading.Lock()
         self.counts = dict.fromkeys(("requests", "hits", "tokens_reused", "errors"), 0)
 
     def of(self, model: Any) -> PrefixCache:
+        """The cache of ``model`` for the request being served (its salt joins the server's)."""
+        request_salt = salts.current()
         with self._lock:
-            pc = self._by_model.get(id(model))
+            pc = self._by_model.get((id(model), request_salt))
             if pc is None:
                 cfg = getattr(model, "config", None)
                 image_token = getattr(cfg, "image_token_index", None)
@@ -58,11 +65,11 @@ class _Prefixes:
                     self.config.backend,
                     model=identity(model, self.config),
                     block_size=self.config.block_size,
-                    salt=self.config.salt,
+                    salt=join_salt(self.config.salt, request_salt),
                     image_token_id=image_token,
                     hot_bytes=0,
                 )
-                self._by_model[id(model)] = pc
+                self._by_model[(id(model), request_salt)] = pc
             return pc
 
     def count(self, **kw: int) -> None:
@@ -156,9 +163,8 @@ def _stream_generate(original: Any, prefixes: _Prefixes) -> Any:
 
 
 def manager_class(config: TierConfig, prefixes: _Prefixes) -> type:
-    """vllm-mlx's ``MLLMPrefixCacheManager`` signature over mlxcache's on the backend."""
-    name = f"vllm-mlx-{config.engine_version}/{TIER_FORMAT}/{config.model_name or ''}"
-    space = hashlib.sha256(f"{name}\0{config.salt}".encode()).hexdigest()[:16]
+    """vllm-mlx's ``MLLMPrefixCacheManager`` signature over mlxcache's on the backend (its keys
+    in the namespace of the server's salt and the served request's)."""
 
     class SharedMLLMPrefixCacheManager(MLLMPrefixCacheManager):
         """mlxcache's ``MLLMPrefixCacheManager`` on the installed backend."""
@@ -169,6 +175,7 @@ def manager_class(config: TierConfig, prefixes: _Prefixes) -> type:
 
         def _keys(self, images: Any, prompt: str) -> tuple[str, str]:
             group, key = super()._keys(images, prompt)
+            space = namespace(config, salts.current())
             return f"{space}.{group}", key.replace(group, f"{space}.{group}", 1)
 
         def fetch(self, *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,9 @@ sort the images' hashes, so the same question with images [B, A] after [A, B] is
 the [A, B] entry. ``install()`` replaces that name with ``shared_vision_cache_class(config)``:
 mlxcache's compatible ``VisionEmbeddingCache`` (images by content and in order in every key)
 on the installed backend, so processed images persist and are shared, with the vllm-mlx
-version, this tier's format and the model's name in every key.
+version, this tier's format and the model's name in every key, and the salt of the request
+being served (``mllm_salts.py``) joined to the server's: a salted request's images and prompt
+are its salt's own entries (no salt keeps the server's keys).
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
+from mlxcache.integrations.request_salt import join_salt
+from mlxcache.integrations.vllm_mlx import salts
 from mlxcache.integrations.vllm_mlx.shared_tier import TIER_FORMAT, TierConfig
 from mlxcache.integrations.vllm_mlx.vision_embedding_cache import (
     KEY_PREFIX,
@@ -20,10 +24,12 @@ from mlxcache.integrations.vllm_mlx.vision_embedding_cache import (
 )
 
 
-def namespace(config: TierConfig) -> str:
-    """The part of every vision key that says which engine version and model wrote it."""
+def namespace(config: TierConfig, request_salt: str = "") -> str:
+    """The part of every vision key that says which engine version and model wrote it, under
+    which salt (the server's, joined with a request's own)."""
     name = f"vllm-mlx-{config.engine_version}/{TIER_FORMAT}/{config.model_name or ''}"
-    return hashlib.sha256(f"{name}\0{config.salt}".encode()).hexdigest()[:16]
+    salt = join_salt(config.salt, request_salt)
+    return hashlib.sha256(f"{name}\0{salt}".encode()).hexdigest()[:16]
 
 
 def shared_vision_cache_class(config: TierConfig) -> type:
@@ -46,6 +52,8 @@ def shared_vision_cache_class(config: TierConfig) -> type:
         @staticmethod
         def _key(kind: str, images: Any, prompt: str | None = None) -> str:
             key = VisionEmbeddingCache._key(kind, images, prompt)
-            return f"{KEY_PREFIX}{space}/{key[len(KEY_PREFIX) :]}"
+            salt = salts.current()  # the request being preprocessed
+            at = namespace(config, salt) if salt else space
+            return f"{KEY_PREFIX}{at}/{key[len(KEY_PREFIX) :]}"
 
     return SharedVisionEmbeddingCache
