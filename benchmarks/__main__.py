@@ -22,7 +22,7 @@ from benchmarks.throughput import Context
 
 SECTIONS = (
     "throughput", "durability", "lookup", "ttft", "rss", "server", "signed", "scale", "peers",
-    "growth", "quant", "restore",
+    "growth", "quant", "restore", "agents",
 )  # fmt: skip
 # run only when named in --only (not part of a full run): the soak takes --minutes
 ON_REQUEST = ("soak",)
@@ -228,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import restore
 
                 out += restore.run(restore_tokens, ctx)
+            elif section == "agents":
+                from benchmarks import agents
+
+                out += agents.run(ctx)
             elif section == "soak":
                 from benchmarks import soak
 

@@ -12,6 +12,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOKUPS = ("hit", "partial", "miss")  # the prefix lookups benchmarks/prefix_lookup.py times
+AGENT_WORKERS = (
+    "mlxcache, one worker",
+    "mlxcache, two workers",
+    "mlx-lm LRUPromptCache, one worker",
+    "mlx-lm LRUPromptCache, two workers",
+)
 
 
 def _importable(module: str) -> bool:
@@ -43,6 +49,7 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
     assert doc["machine"]["nproc"] >= 1
     rows = doc["rows"]
     names = {(r["section"], r["name"]) for r in rows}
+    by_name = {(r["section"], r["name"]): r for r in rows}
 
     expected = {
         ("throughput", "numpy memcpy"),
@@ -131,6 +138,17 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
         }
         if shutil.which("redis-server"):
             expected |= {("quant", "q8 redis:// restore"), ("quant", "q4 redis:// store")}
+    agents = {}  # the agent workload's counts per family group (benchmarks/agents.py)
+    if _importable("mlxcache.integrations.mlx_lm") and _importable("mlxcache.backends.disk"):
+        for group in (
+            "dense (glm)",
+            "sliding (olmo3)",
+            "chunked (llama4_text)",
+            "recurrent (qwen3_5)",
+        ):
+            for who in AGENT_WORKERS:
+                agents[group, who] = ("agents", f"{group}, chat: {who}")
+        expected |= set(agents.values())
     expected |= {("signed", "signed file:// put"), ("signed", "signed file:// get")}
     expected |= {("signed", "keyed BLAKE3 (the MAC)"), ("signed", "signed from_bytes")}
     missing = expected - names
@@ -145,6 +163,16 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
             assert row["extra"]["round_trips"] == 1 and row["met"], row
             assert row["extra"]["round_trips_default"] in (2, 3), row
 
+    # agents: a second worker on the shared store reuses what the first does; two mlx-lm
+    # servers (one LRU each) reuse less; block-granular layers reuse what a dense model does
+    reused = {k: by_name[v]["stats"]["median"] for k, v in agents.items()}
+    for group in {g for g, _ in agents}:
+        one, two = reused[group, "mlxcache, one worker"], reused[group, "mlxcache, two workers"]
+        assert one == two, (group, one, two)
+        if not group.startswith("recurrent"):
+            assert one == reused["dense (glm)", "mlxcache, one worker"], group
+            assert two > reused[group, "mlx-lm LRUPromptCache, two workers"], group
+
     # a flipped byte on disk must never come back as a silent hit in our cache
     ours_flip = [r for r in rows if r["name"] == "mlxcache file:// flipped byte, new process"]
     assert all(r["met"] for r in ours_flip), ours_flip
@@ -158,8 +186,8 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
         assert stats["min"] <= stats["median"] <= stats["max"], row
         if row["ratio"] is not None:
             assert isinstance(row["ratio"], int | float), row
-            if row["section"] == "rss":
-                assert row["ratio"] >= 0, row  # a put that copies nothing shows 0
+            if row["section"] in ("rss", "agents"):
+                assert row["ratio"] >= 0, row  # a put that copies nothing, nothing reused: 0
             else:
                 assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
         if row["baseline"] and row["section"] == "throughput":
