@@ -72,9 +72,10 @@ ARCHS = {
 # ---------------------------------------------------------------- helpers (both sides)
 
 
-def build_folder(family: str, path: Path, **kwargs) -> Path:
+def build_folder(family: str, path: Path, config: dict | None = None, **kwargs) -> Path:
     """A model folder ``mlx_lm.load`` opens offline: the tiny llama, or another architecture
-    with the tiny llama's tokenizer and seeded random weights."""
+    (its ``ARCHS`` entry, or ``config``) with the tiny llama's tokenizer and seeded random
+    weights."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
@@ -87,7 +88,7 @@ def build_folder(family: str, path: Path, **kwargs) -> Path:
 
     arch = importlib.import_module(f"mlx_lm.models.{family}")
     base = json.loads((out / "config.json").read_text())
-    cfg = {"model_type": family, **ARCHS[family]}
+    cfg = {"model_type": family, **(ARCHS[family] if config is None else config)}
     cfg.update({k: base[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")})
     mx.random.seed(0)
     model = arch.Model(arch.ModelArgs.from_dict(cfg))

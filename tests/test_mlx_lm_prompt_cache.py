@@ -318,3 +318,36 @@ def test_another_workers_prompt_is_fetched_with_one_probe():
     assert backend.probes == probes + 1  # the lookup's own contains_many, no longest() first
     a.close()
     fresh.close()
+
+
+def test_store_prefill_keeps_a_windows_blocks_and_leaves_dense_caches_to_the_insert():
+    """``store_prefill`` (mlxcache serve, after each prefill chunk): a window layer's blocks are
+    stored while it holds them, so a branch at a block boundary hits later; a dense cache waits
+    for the insert; a state layer only at a block-aligned length."""
+    from mlx_lm.models.cache import ArraysCache, RotatingKVCache
+
+    backend = MemoryBackend()
+    cache = SharedPromptCache(backend=backend, block_size=8, background=False)
+    prompt = list(range(1, 25))
+    cache.store_prefill(MODEL, prompt[:16], kv(prompt[:16]))
+    assert not list(backend.keys(""))  # dense: the insert at the end stores every block
+    state = ArraysCache(1)
+    state[0] = mx.zeros((1, 4))
+    assert not cache.prefill_store_due(12, [state]) and cache.prefill_store_due(16, [state])
+
+    def rotating(layer, tokens):  # rows that are a function of the tokens, as kv() does
+        t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, -1, 1)
+        keys = mx.broadcast_to(t, (1, 2, len(tokens), 8))
+        layer.update_and_fetch(keys, -keys)
+        mx.eval(layer.state)
+
+    window = RotatingKVCache(max_size=4)
+    rotating(window, prompt[:16])  # the first chunk
+    cache.store_prefill(MODEL, prompt[:16], [window])
+    rotating(window, prompt[16:])  # the next chunk: the window drops positions before 13
+    cache.insert_cache(MODEL, prompt, [window])
+    branch = prompt[:16] + [90, 91]
+    hit, rest = SharedPromptCache(backend=backend, block_size=8).fetch_nearest_cache(MODEL, branch)
+    assert rest == [90, 91] and hit[0].offset == 16
+    keys = hit[0].state[0]
+    assert keys[0, 0, -4:, 0].tolist() == [13.0, 14.0, 15.0, 16.0]

@@ -33,29 +33,41 @@ def tiny_lm(tmp_path_factory):
 
 
 class Server:
-    """``mlxcache serve`` in a subprocess; its log goes to a file."""
+    """``mlxcache serve`` in a subprocess (``plain``: mlx-lm's stock ``mlx_lm.server``, no
+    mlxcache); its log goes to a file."""
 
-    def __init__(self, model: str, cache: str | None, log_path, *extra: str, **env: str) -> None:
+    def __init__(
+        self, model: str, cache: str | None, log_path, *extra: str, plain: bool = False, **env: str
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
-        args = [sys.executable, "-m", "mlxcache", "serve", "--model", model]
+        command = ["mlx_lm.server"] if plain else ["mlxcache", "serve"]
+        args = [sys.executable, "-m", *command, "--model", model]
         args += ["--port", str(self.port), *extra]  # the default address: 127.0.0.1
         args += ["--cache", cache] if cache is not None else []  # else $MLXCACHE_URL
         self._log = open(log_path, "ab")
         self.proc = subprocess.Popen(args, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        wait_until_healthy(self, "mlxcache serve", 120)
-        assert f"mlxcache serve: mlx-lm will listen on {self.url}\n" in self.log()
+        wait_until_healthy(self, "mlx_lm.server" if plain else "mlxcache serve", 120)
+        if not plain:
+            assert f"mlxcache serve: mlx-lm will listen on {self.url}\n" in self.log()
         assert f"Starting httpd at 127.0.0.1 on port {self.port}" in self.log()
 
     def chat(
-        self, messages=CHAT, max_tokens: int = 8, salt: str | None = None, header: str | None = None
+        self,
+        messages=CHAT,
+        max_tokens: int = 8,
+        salt: str | None = None,
+        header: str | None = None,
+        seed: int | None = None,
     ) -> tuple[str, int, int]:
         """(text, prompt_tokens, cached_tokens) of one non-streaming chat completion; ``salt``
-        goes in the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
+        goes in the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``; with a ``seed``
+        mlx-lm serves the request alone (not batched)."""
         body = {"messages": messages, "max_tokens": max_tokens}
         body.update({} if salt is None else {"cache_salt": salt})
+        body.update({} if seed is None else {"seed": seed})
         headers = {"Content-Type": "application/json"}
         headers.update({} if header is None else {"X-Cache-Salt": header})
         req = urllib.request.Request(

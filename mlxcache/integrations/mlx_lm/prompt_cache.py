@@ -29,6 +29,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlxcache.backends.base import CacheBackend
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.integrations.request_salt import join_salt
+from mlxcache.integrations.resume import holds_state, holds_window
 from mlxcache.prefix.cache import PrefixCache
 from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
@@ -39,6 +40,7 @@ log = logging.getLogger("mlxcache")
 _COUNTER_TRIM = {"KVCache", "QuantizedKVCache", "RotatingKVCache", "ChunkedKVCache"}
 _MAX_WAIT = 60.0  # seconds an insert waits for room in the store queue before dropping it
 _RECENT_PROMPTS = 64  # prompts remembered (as fingerprints) to store their length minus one
+_MID_PREFILL = -1  # a store job's ``prompt`` for a store after one prefill chunk
 
 
 def default_identity(model_key: Any) -> str:
@@ -135,6 +137,7 @@ class SharedPromptCache(LRUPromptCache):
             else:
                 self.backend, self._owns_backend = open_backend(backend), True
         self._prefix: dict[str, PrefixCache] = {}
+        self._last_lookup: list[int] | None = None  # see last_lookup()
         # (model key, length, last token, digest) of recently fetched prompts: a few bytes each
         self._recent: deque[tuple[Any, int, int, bytes]] = deque(maxlen=_RECENT_PROMPTS)
         self._lock = threading.Lock()
@@ -192,6 +195,7 @@ class SharedPromptCache(LRUPromptCache):
         tokens (the last one is always run).
         """
         self._count(fetches=1)
+        self._last_lookup = list(tokens)
         if tokens and self.backend is not None:
             self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -206,6 +210,10 @@ class SharedPromptCache(LRUPromptCache):
             return cache, rest
         self._count(misses=1)
         return None, tokens
+
+    def last_lookup(self) -> list[int] | None:
+        """The tokens of the latest ``fetch_nearest_cache`` (None before the first)."""
+        return self._last_lookup
 
     def _lookup(self, model: Any, tokens: list[int], have: int):
         """A backend hit longer than ``have`` tokens (at most ``len(tokens) - 1``), or None."""
@@ -247,17 +255,40 @@ class SharedPromptCache(LRUPromptCache):
             self._run((model, [], [], None, done))
             return
         tokens = list(tokens)
-        job = (model, tokens, list(prompt_cache), self._prompt_of(model, tokens), done)
+        self._submit((model, tokens, list(prompt_cache), self._prompt_of(model, tokens), done))
+
+    def store_prefill(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
+        """Store a prompt's cache mid-prefill, after one of mlx-lm's chunks (shared tier only).
+
+        A window layer (``RotatingKVCache``) drops its old tokens in the next chunk, so its whole
+        blocks are stored now, after every chunk; a state layer (``ArraysCache``) is
+        checkpointed at chunk ends on a block boundary; a cache with neither is left to the
+        insert at the prompt's end. Queued on the writer thread like an insert, and before it.
+        """
+        if tokens and self.prefill_store_due(len(tokens), prompt_cache):
+            self._submit((model, list(tokens), list(prompt_cache), _MID_PREFILL, []))
+
+    def prefill_store_due(self, num_tokens: int, prompt_cache: Sequence[Any]) -> bool:
+        """Whether ``store_prefill`` stores a cache of this class mix holding ``num_tokens``."""
+        if self.backend is None or not prompt_cache:
+            return False
+        aligned = num_tokens % self.block_size == 0
+        return holds_window(prompt_cache) or (aligned and holds_state(prompt_cache))
+
+    def _submit(self, job: tuple) -> None:
+        """Run a store job on the writer thread (at once without one); a dropped job is counted
+        and its callbacks still run."""
+        model, _, layers, _, done = job
         if self._writer is None:
             self._run(job)
             return
         try:  # what the writer thread reads must be evaluated on this thread (MLX streams)
             self.prefix_cache(model)
-            mx.eval([a for _, a in tree_flatten([c.state for c in prompt_cache])
+            mx.eval([a for _, a in tree_flatten([c.state for c in layers])
                      if isinstance(a, mx.array)])  # fmt: skip
         except Exception as e:
             log.warning("mlx-lm prompt cache: cannot store this cache: %s", e)
-        nbytes = sum(getattr(c, "nbytes", 0) for c in prompt_cache)
+        nbytes = sum(getattr(c, "nbytes", 0) for c in layers)
         if not self._writer.submit(lambda: self._run(job), nbytes):
             self._count(store_errors=1)  # dropped (the queue stayed full, or closed)
             self._run((model, [], [], None, done))  # its callbacks still run
@@ -278,6 +309,8 @@ class SharedPromptCache(LRUPromptCache):
         return True if self._writer is None else self._writer.flush(timeout)
 
     def _store(self, model: Any, tokens: list[int], layers: list[Any], prompt: int | None) -> None:
+        """Store ``layers`` (holding ``tokens``, or their start); ``prompt`` is the length of a
+        prompt ``tokens`` extends (stored too, trimmed), or ``_MID_PREFILL`` (whole blocks)."""
         try:
             pc = self.prefix_cache(model)
             if pc is None or not tokens or not layers:
@@ -285,6 +318,9 @@ class SharedPromptCache(LRUPromptCache):
             n = _holds(layers)
             n = len(tokens) if n is None else n
             if n > len(tokens) or n <= 0:
+                return
+            if prompt == _MID_PREFILL:
+                self._count(tokens_stored=pc.store(tokens[:n], layers, mid_prefill=True))
                 return
             written = pc.store(tokens[:n], layers)
             if prompt is not None and 1 < prompt < n:

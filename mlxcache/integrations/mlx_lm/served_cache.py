@@ -3,8 +3,8 @@
 mlx-lm's generation thread tokenizes a request and at once looks its prompt up; it ends a
 response and at once inserts its cache. ``use_salt`` (called as the request is tokenized) and
 ``salt_next_insert`` (as its end is queued) put the request's ``cache_salt`` on exactly those
-calls: its keys, hot and shared, are its own. A prompt segment inserted mid-batch takes the salt
-of the salted prompt in flight that it begins.
+calls: its keys, hot and shared, are its own. A prompt segment inserted mid-batch, or a chunk
+stored mid-prefill, takes the salt of the salted prompt in flight that it begins.
 """
 
 from __future__ import annotations
@@ -51,8 +51,7 @@ class ServedPromptCache(SharedPromptCache):
     def insert_cache(self, model: Any, tokens: list[int], prompt_cache: list[Any], **kw: Any):
         salt, self._insert_salt = self._insert_salt, None
         if salt is None:  # a segment of a prompt in flight
-            salt = next((s for s, p in reversed(self._in_flight) if p[: len(tokens)] == tokens
-                         and len(tokens) <= len(p)), "")  # fmt: skip
+            salt = self._in_flight_salt(tokens)
         elif salt:  # the request's last insert: forget its prompt
             for entry in reversed(self._in_flight):
                 if entry[0] == salt and tokens[: len(entry[1])] == entry[1]:
@@ -60,6 +59,15 @@ class ServedPromptCache(SharedPromptCache):
                     break
         key = Salted(model, salt) if salt else model
         return super().insert_cache(key, tokens, prompt_cache, **kw)
+
+    def store_prefill(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
+        salt = self._in_flight_salt(tokens)  # a chunk of a prompt in flight
+        super().store_prefill(Salted(model, salt) if salt else model, tokens, prompt_cache)
+
+    def _in_flight_salt(self, tokens: list[int]) -> str:
+        """The salt of the latest salted prompt in flight that ``tokens`` begins ("" if none)."""
+        return next((s for s, p in reversed(self._in_flight) if p[: len(tokens)] == tokens
+                     and len(tokens) <= len(p)), "")  # fmt: skip
 
     def _log_lookup(self, before: dict[str, int], reused: int, total: int) -> None:
         with self._lock:

@@ -3,9 +3,9 @@
 mlx-lm parses its options, loads the model and answers requests with its handler and its
 ``ResponseGenerator``; the only change is the prompt cache (``SharedPromptCache`` on ``--cache
 URI``, with ``--prompt-cache-size`` and ``--prompt-cache-bytes`` held by the hot tier), a
-request's own ``cache_salt`` on its keys (``served_cache``), and that a response ends only once
-its prompt cache is stored, so a server killed right after answering has lost nothing it
-answered.
+request's own ``cache_salt`` on its keys (``served_cache``), stores after each prefill chunk of
+models with window or state layers (``chunk_stores``), and that a response ends only once its
+prompt cache is stored, so a server killed right after answering has lost nothing it answered.
 """
 
 from __future__ import annotations
@@ -222,7 +222,8 @@ def make_run(options: argparse.Namespace):
     import mlx.core as mx
     from mlx_lm import server
 
-    from mlxcache.integrations.mlx_lm.served_cache import ServedPromptCache  # imports mlx-lm
+    from mlxcache.integrations.mlx_lm import chunk_stores  # imports mlx-lm
+    from mlxcache.integrations.mlx_lm.served_cache import ServedPromptCache
 
     def run(host, port, model_provider, server_class=None, handler_class=None):
         cli = model_provider.cli_args
@@ -255,6 +256,19 @@ def make_run(options: argparse.Namespace):
             background=True,  # stores run beside generation; a response still waits for its own
         )
         log.info("mlxcache serve: prompt cache %r", prompt_cache)
+        seams = {"BatchGenerator": server.BatchGenerator, "stream_generate": server.stream_generate}
+
+        def key() -> Any:  # the model being served
+            return model_provider.model_key
+
+        # stores after each prefill chunk (window and state layers): mlx-lm's own class and
+        # function, wrapped where its generation thread looks them up (its module)
+        server.BatchGenerator = chunk_stores.batch_generator_class(
+            seams["BatchGenerator"], prompt_cache, key
+        )
+        server.stream_generate = chunk_stores.stream_generate_with_stores(
+            seams["stream_generate"], prompt_cache, key
+        )
         generator = _response_generator_class()(model_provider, prompt_cache)
         server.scan_cache_dir = served_model.scan_cache_dir  # /v1/models without an HF cache
         handler = _metrics_handler(handler_class or server.APIHandler, prompt_cache)
@@ -271,6 +285,8 @@ def make_run(options: argparse.Namespace):
             raise StartFailed(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
         finally:
             prompt_cache.close()
+            for name, seam in seams.items():
+                setattr(server, name, seam)
 
     return run
 
