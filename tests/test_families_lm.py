@@ -14,8 +14,9 @@ pytest.importorskip("mlx_lm")
 from families import lm  # noqa: E402
 from families.harness import BRANCH, PROMPT  # noqa: E402
 
-# family -> what a branched prompt reuses: "block" (any block boundary), "length" (a stored
-# length only: sliding-window, chunked and recurrent layers, docs/prefix.md)
+# family -> what a branched prompt reuses: "block" (any block boundary), "checkpoint" (recurrent
+# layers: a stride checkpoint, here none below 96 tokens, or the branch point a request that
+# branched there left, docs/prefix.md "Checkpoints")
 FAMILIES = {
     "glm": "block",
     "seed_oss": "block",
@@ -27,10 +28,10 @@ FAMILIES = {
     "olmo3": "block",
     "gemma4": "block",
     "llama4": "block",
-    "mamba2": "length",
-    "qwen3_5": "length",
-    "qwen3_5_moe": "length",
-    "qwen3_next": "length",
+    "mamba2": "checkpoint",
+    "qwen3_5": "checkpoint",
+    "qwen3_5_moe": "checkpoint",
+    "qwen3_next": "checkpoint",
 }
 
 
@@ -43,3 +44,4 @@ def test_text_family_answers_like_mlx_lm(name, tmp_path):
     assert r["extended"]["cached"] >= PROMPT - 1  # the next turn resumes the stored turn
     branched = BRANCH if FAMILIES[name] == "block" else 0
     assert r["branched"]["cached"] == branched
+    assert r["branched_again"]["cached"] == BRANCH

@@ -2,8 +2,10 @@
 
 Every mlxcache run (cold, warm, extended, branched, another image, a new process) must give the
 engine's greedy tokens and the bytes of every step's log-probabilities. Where a family's numerics
-depend on where the prompt is split (``Spec.split_sensitive``), the reference is the engine
-resumed at the same split: its chunked prefill stopped at the hit's length.
+depend on where the prompt is split (``Spec.split_sensitive``: recurrent layers), the reference is
+the engine resumed at the same splits: its chunked prefill stopped at every block boundary (the
+checkpoint stride of these tiny models is one block, docs/prefix.md "Checkpoints") and at the
+hit's length.
 """
 
 from __future__ import annotations
@@ -101,18 +103,18 @@ def digest(arrays: list[Any]) -> str:
     return h.hexdigest()
 
 
-def reference(model: Any, ids: list[int], pixels: Any, kwargs: dict, split: int = 0) -> tuple:
-    """mlx-vlm's uncached greedy generate_step: (tokens, logprobs digest); with ``split``, its
-    chunked prefill stops there first (the engine resumed at that split)."""
+def reference(model: Any, ids: list[int], pixels: Any, kwargs: dict, splits=()) -> tuple:
+    """mlx-vlm's uncached greedy generate_step: (tokens, logprobs digest); with ``splits``, its
+    chunked prefill stops at each first (the engine resumed at those splits)."""
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
 
     x = mx.array([ids])
     more: dict[str, Any] = {}
-    if split:
+    if splits:
         more = {
             "prompt_cache_checkpoint": lambda n, cache: None,
-            "prompt_cache_checkpoint_lengths": [split],
+            "prompt_cache_checkpoint_lengths": list(splits),
         }
     tokens, logprobs = [], []
     for tok, lp in generate_step(
@@ -145,8 +147,11 @@ def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: A
     if spec.token_kwargs is not None:
         kwargs = {**kwargs, **spec.token_kwargs(ids)}
     tokens, got, result = ours(model, ids, pixels, kwargs, cache)
-    split = result.cached_tokens if spec.split_sensitive else 0
-    ref_tokens, ref = reference(model, ids, pixels, kwargs, split)
+    splits: list[int] = []
+    if spec.split_sensitive:  # mlxcache's chunks end on every checkpoint (stride: one block)
+        n = result.prompt_tokens
+        splits = sorted({*range(BLOCK, n - 1, BLOCK), result.cached_tokens} - {0})
+    ref_tokens, ref = reference(model, ids, pixels, kwargs, splits)
     return {
         "tokens": tokens,
         "ref_tokens": ref_tokens,
