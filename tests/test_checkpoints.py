@@ -163,3 +163,19 @@ def test_mlx_vlm_branches_resume_at_checkpoints_like_the_engine(tmp_path, name, 
     (name_48,) = _tails(cache)[48]
     flip(str(cache.backend._data / name_48), "data")
     assert run(ids[:60] + harness.text(spec, N - 60, 9), [16, 32, 48, 64]) == 0
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_5_moe", "lfm2_vl"])
+def test_the_matrix_hybrids_have_a_stride_of_one_block(name):
+    """tests/families/harness.py resumes the engine at every block boundary for these: their
+    stride at the matrix's block and the default share is one block."""
+    import importlib
+
+    prefill = importlib.import_module("mlxcache.integrations.mlx_vlm.prefill").prefill
+    spec = SPECS[name]
+    model = harness.build(spec)
+    ids, pixels, kwargs = harness.prompt(spec)
+    cache = PrefixCache("memory://", model=name, block_size=harness.BLOCK, hot_bytes=0)
+    done = prefill(model, mx.array([ids]), pixels, cache=cache, **kwargs)
+    got = checkpoints.stride(done.prompt_cache, harness.BLOCK, checkpoints.DEFAULT_SHARE, 2048)
+    assert got == harness.BLOCK
