@@ -4,7 +4,9 @@ An engine (mlx-vlm, mlx-lm) gives a fresh prompt cache and a step function that 
 on prompt positions ``[s, e)``. This module finds the longest cached prefix of all but the last
 token, checks that it fits the fresh cache, runs the rest in chunks, stores the new blocks and
 runs the last token alone (as the engines' own ``generate_step`` does): a repeat of a prompt
-restores everything but one token, and a hit never needs a cache that can be cut. A cache that
+restores everything but one token, and a hit never needs a cache that can be cut. A cache with
+state layers (ArraysCache) is split and checkpointed where ``prefix/checkpoints.py`` says: at a
+stride and at the block boundary where the request branched off a stored prompt. A cache that
 fails (a backend that raises, any error inside the cache) is logged and the prompt runs
 uncached: the cache never breaks inference.
 """
