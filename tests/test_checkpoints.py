@@ -32,8 +32,8 @@ def _cache(tmp_path, name: str, share: float) -> PrefixCache:
     return PrefixCache(uri, model=name, block_size=BS, hot_bytes=0, checkpoint_share=share)
 
 
-def _tails(cache: PrefixCache) -> dict[int, str]:
-    """Stored tail records (file://): length -> file name (the last written of a length)."""
+def _tails(cache: PrefixCache) -> dict[int, list[str]]:
+    """Stored tail records (file://): length -> their file names (one per stored prompt)."""
     b = cache.backend
     out = {}
     for key in b.keys(cache.key_prefix):
@@ -179,3 +179,22 @@ def test_the_matrix_hybrids_have_a_stride_of_one_block(name):
     done = prefill(model, mx.array([ids]), pixels, cache=cache, **kwargs)
     got = checkpoints.stride(done.prompt_cache, harness.BLOCK, checkpoints.DEFAULT_SHARE, 2048)
     assert got == harness.BLOCK
+
+
+def test_checkpoints_are_shared_through_redis(redis_url):
+    """On a real redis-server (the one-trip chain walk): a second PrefixCache, as another
+    worker, resumes at the branch point the first one's request left, like the engine."""
+    model = lm.build("qwen3_5")
+    ids = lm.text("qwen3_5", N, 1)
+
+    def worker() -> PrefixCache:
+        return PrefixCache(
+            redis_url, model="qwen3_5", block_size=BS, hot_bytes=0, checkpoint_share=1.0
+        )
+
+    first = worker()
+    assert _lm_run(model, ids, first, [16, 32, 64]) == 0
+    assert _lm_run(model, ids[:50] + lm.text("qwen3_5", N - 50, 7), first, [16, 32, 48, 64]) == 32
+    other = worker()
+    assert _lm_run(model, ids[:55] + lm.text("qwen3_5", N - 55, 8), other, [16, 32, 48, 64]) == 48
+    assert _lm_run(model, ids, other, [16, 32, 64, 95]) == 95
