@@ -1,8 +1,9 @@
 """The mlx-lm side of the model-family matrix (docs/models.md): mlx-lm's answer, bit for bit.
 
 One tiny model per family (configs from mlx-lm's own ``test_all_models``), prompts cold, warm,
-extended and branched through mlxcache on a ``file://`` store, each compared with mlx-lm's
-uncached ``generate_step`` (or mlx-lm resumed at the same split, for recurrent layers).
+extended and branched (twice) through mlxcache on a ``file://`` store, each compared with
+mlx-lm's uncached ``generate_step`` (or mlx-lm resumed at the same splits, for recurrent layers:
+a cold run splits where mlx-lm does).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from families import lm  # noqa: E402
 from families.harness import BRANCH, PROMPT  # noqa: E402
 
 # family -> what a branched prompt reuses: "block" (any block boundary), "checkpoint" (recurrent
-# layers: a stride checkpoint, here none below 96 tokens, or the branch point a request that
+# layers: a stride checkpoint, here none below 2,048 tokens, or the branch point a request that
 # branched there left, docs/prefix.md "Checkpoints")
 FAMILIES = {
     "glm": "block",

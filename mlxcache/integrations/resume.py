@@ -6,7 +6,9 @@ token, checks that it fits the fresh cache, runs the rest in chunks, stores the 
 runs the last token alone (as the engines' own ``generate_step`` does): a repeat of a prompt
 restores everything but one token, and a hit never needs a cache that can be cut. A cache with
 state layers (ArraysCache) is split and checkpointed where ``prefix/checkpoints.py`` says: at a
-stride and at the block boundary where the request branched off a stored prompt. A cache that
+stride (a multiple of the engine's prefill step, so a prefill with nothing restored and no branch
+point splits only where the engine's own does) and at the block boundary where the request
+branched off a stored prompt. A cache that
 fails (a backend that raises, any error inside the cache) is logged and the prompt runs
 uncached: the cache never breaks inference.
 """
@@ -149,8 +151,10 @@ def extend(
 ) -> None:
     """Run prompt positions ``[start, end)`` in chunks of ``step_size``, evaluating the cache.
 
-    With ``checkpoints`` the chunks also end on its checkpoints. ``after_chunk(e)`` runs after
-    each chunk is evaluated (progress, freeing buffers, storing).
+    With ``checkpoints`` the chunks end where it says (``Checkpoints.next_end``: the same
+    chunks from a cold start; also at the branch point, and at stride multiples when resumed
+    off the step's grid). ``after_chunk(e)`` runs after each chunk is evaluated (progress,
+    freeing buffers, storing).
     """
     if step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {step_size}")
@@ -209,8 +213,9 @@ def finish_prompt(
 
     With ``cache`` (a PrefixCache) the state before the last token is stored when something was
     new; with window layers, each chunk's whole blocks too, right after the chunk. With state
-    layers the chunks end on checkpoints (prefix/checkpoints.py: a stride, and ``branch``, the
-    block boundary ``lookup`` found a request to branch at), each stored with its blocks. Returns
+    layers the chunks end on checkpoints too (prefix/checkpoints.py: a stride of whole prefill
+    steps, and ``branch``, the block boundary ``lookup`` found a request to branch at), each
+    stored with its blocks. Returns
     the last token's ``run`` output and how many tokens the stores kept.
     """
     n = len(tokens)

@@ -4,16 +4,20 @@ checkpointed, and where its prefill is split to get there (docs/prefix.md, "Chec
 A state layer cannot be cut back to a block boundary: its state is stored whole, in the tail
 record of a length, and restored only there. So a prefill through mlxcache leaves such tails at
 
-- a **stride**: every ``stride`` tokens, a multiple of the block size, the smallest one at which
-  the state stored per stride stays within ``share`` of the KV bytes of the same tokens (block
-  and window layers); a model without KV layers (Mamba) uses the prefill step instead;
+- a **stride**: every ``stride`` tokens, a multiple of ``lcm(block size, prefill step)``, the
+  smallest one at which the state stored per stride stays within ``share`` of the KV bytes of
+  the same tokens (block and window layers); a model without KV layers (Mamba) uses the lcm;
 - a **branch point**: the last block boundary at or before where a request stopped matching a
   stored prompt, so the next request that branches there resumes there;
 - the stored length itself (the prompt's end, as every model).
 
-The prefill runs in chunks that end on these points (and at most ``step`` tokens long): the state
-at a checkpoint is the engine's own state for the same split. On a fresh cache the state's size is
-unknown until the model ran, so the first chunk ends at the first block boundary.
+The prefill runs in chunks of the prefill step that also end on these points. A stride multiple
+is a block boundary and one of the engine's own chunk ends, so a prefill with nothing restored
+and no branch point splits exactly where the engine's uncached prefill does (never a different
+answer, even for a model whose numerics change at any split), and a hit at a stride checkpoint
+continues on the engine's own chunks. The state's size is unknown until the model ran: the
+stride is learnt after the first chunk (which ends where the engine's does) or from a restored
+state.
 """
 
 from __future__ import annotations
@@ -67,21 +71,23 @@ def kv_bytes_per_token(prompt_cache: Sequence[Any]) -> float:
 def stride(prompt_cache: Sequence[Any], block_size: int, share: float, step: int) -> int | None:
     """The checkpoint stride of this cache, or None while its state is not known (no run yet).
 
-    The smallest multiple of ``block_size`` at which ``state_bytes <= share * KV bytes of the
-    stride``; without KV layers, ``step`` rounded down to whole blocks (at least one).
+    The smallest multiple of ``lcm(block_size, step)`` at which ``state_bytes <= share * KV
+    bytes of the stride`` (a block boundary the engine's chunked prefill also splits at);
+    without KV layers, the lcm itself.
     """
     state = state_bytes(prompt_cache)
     if not state:
         return None
+    unit = _unit(block_size, step)
     kv = kv_bytes_per_token(prompt_cache)
     if kv <= 0:
-        return _step_stride(block_size, step)
-    return block_size * max(1, math.ceil(state / (share * kv * block_size)))
+        return unit
+    return unit * max(1, math.ceil(state / (share * kv * unit)))
 
 
-def _step_stride(block_size: int, step: int) -> int:
-    """The prefill step in whole blocks (at least one): the stride with nothing to weigh."""
-    return max(block_size, step // block_size * block_size)
+def _unit(block_size: int, step: int) -> int:
+    """The shortest stride: a whole number of blocks and of prefill steps (their lcm)."""
+    return math.lcm(block_size, step)
 
 
 @dataclass
@@ -100,17 +106,18 @@ class Checkpoints:
 
     def learn(self, prompt_cache: Sequence[Any], ran: bool = False) -> None:
         """Measure the stride once the cache holds a state (a restored prefix, a first chunk);
-        a state still empty after a run (nothing to weigh) takes the prefill step's."""
+        a state still empty after a run (nothing to weigh) takes the shortest stride."""
         if self.stride is None:
             self.stride = stride(prompt_cache, self.block_size, self.share, self.step)
             if self.stride is None and ran:
-                self.stride = _step_stride(self.block_size, self.step)
+                self.stride = _unit(self.block_size, self.step)
 
     def next_end(self, s: int, end: int) -> int:
-        """Where the chunk from ``s`` ends: the next checkpoint, at most ``step`` on, or ``end``."""
+        """Where the chunk from ``s`` ends: ``step`` on (the engine's own chunk), or earlier at
+        the next stride multiple (only when resumed off the engine's grid) or branch point."""
         e = min(s + self.step, end)
-        every = self.stride or self.block_size  # unknown yet: the first block boundary
-        e = min(e, (s // every + 1) * every)
+        if self.stride is not None:  # unknown yet: the engine's own first chunk
+            e = min(e, (s // self.stride + 1) * self.stride)
         return self.branch if s < self.branch < e else e
 
     def keeps(self, e: int) -> bool:

@@ -3,9 +3,9 @@
 Every mlxcache run (cold, warm, extended, branched, another image, a new process) must give the
 engine's greedy tokens and the bytes of every step's log-probabilities. Where a family's numerics
 depend on where the prompt is split (``Spec.split_sensitive``: recurrent layers), the reference is
-the engine resumed at the same splits: its chunked prefill stopped at every block boundary (the
-checkpoint stride of these tiny models is one block, docs/prefix.md "Checkpoints") and at the
-hit's length.
+the engine resumed at the same splits: its chunked prefill stopped at the hit's length and at the
+branch point a branched prompt checkpoints (docs/prefix.md "Checkpoints"); a cold run splits
+where the engine does (the stride, 2,048 at the default prefill step, lies past these prompts).
 """
 
 from __future__ import annotations
@@ -142,15 +142,17 @@ def open_cache(model: Any, uri: str) -> Any:
     return PrefixCache(uri, model=model_identity(model), block_size=BLOCK, hot_bytes=0)
 
 
-def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: Any) -> dict:
-    """One request through mlxcache against the engine: what a test asserts on."""
+def check(
+    spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: Any, branch: int = 0
+) -> dict:
+    """One request through mlxcache against the engine: what a test asserts on; ``branch``:
+    where the prompt branches off a stored one (a checkpoint with state layers)."""
     if spec.token_kwargs is not None:
         kwargs = {**kwargs, **spec.token_kwargs(ids)}
     tokens, got, result = ours(model, ids, pixels, kwargs, cache)
     splits: list[int] = []
-    if spec.split_sensitive:  # mlxcache's chunks end on every checkpoint (stride: one block)
-        n = result.prompt_tokens
-        splits = sorted({*range(BLOCK, n - 1, BLOCK), result.cached_tokens} - {0})
+    if spec.split_sensitive:  # mlxcache's chunks end on the hit and the branch point
+        splits = sorted({branch, result.cached_tokens} - {0})
     ref_tokens, ref = reference(model, ids, pixels, kwargs, splits)
     return {
         "tokens": tokens,
@@ -165,7 +167,8 @@ def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: A
 
 
 def scenarios(spec: Spec, uri: str) -> dict[str, dict]:
-    """cold, warm, extended, branched and (with an image) image B, in this process."""
+    """cold, warm, extended, branched (again, with state layers) and (with an image) image B,
+    in this process."""
     model = build(spec)
     cache = open_cache(model, uri)
     ids, pixels, kwargs = prompt(spec)
@@ -175,7 +178,10 @@ def scenarios(spec: Spec, uri: str) -> dict[str, dict]:
     extended = ids + out["warm"]["tokens"] + question
     out["extended"] = check(spec, model, extended, pixels, kwargs, cache)
     branched = ids[:BRANCH] + text(spec, PROMPT - BRANCH, 4)
-    out["branched"] = check(spec, model, branched, pixels, kwargs, cache)
+    out["branched"] = check(spec, model, branched, pixels, kwargs, cache, BRANCH)
+    if spec.expect == "exact":  # state layers: the next branch there resumes at its checkpoint
+        again = ids[:BRANCH] + text(spec, PROMPT - BRANCH, 5)
+        out["branched_again"] = check(spec, model, again, pixels, kwargs, cache, BRANCH)
     if spec.image is not None:
         ids_b, pixels_b, kwargs_b = prompt(spec, image_seed=5)
         out["image_b"] = check(spec, model, ids_b, pixels_b, kwargs_b, cache)

@@ -44,8 +44,9 @@ def split_sensitive(model: Any) -> bool:
     return any(type(c).__name__ == "ArraysCache" for c in make_prompt_cache(model))
 
 
-def reference(model: Any, ids: list[int], splits=()) -> tuple[list[int], str]:
-    """mlx-lm's greedy generate_step; with ``splits``, resumed at each (its own chunk calls)."""
+def reference(model: Any, ids: list[int], splits=(), step: int = 2048) -> tuple[list[int], str]:
+    """mlx-lm's greedy generate_step with ``prefill_step_size=step``; with ``splits``, resumed
+    at each (its own chunk calls, ``step`` tokens at most)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -54,14 +55,20 @@ def reference(model: Any, ids: list[int], splits=()) -> tuple[list[int], str]:
     prompt = mx.array(ids)
     start = 0
     for split in splits:
-        model(prompt[start:split][None], cache=cache)  # mlx-lm's own chunk call
-        mx.eval([c.state for c in cache])
+        for s in range(start, split, step):  # mlx-lm's own chunk calls
+            model(prompt[s : min(s + step, split)][None], cache=cache)
+            mx.eval([c.state for c in cache])
         start = split
     prompt = prompt[start:]
     tokens, logprobs = [], []
     greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
     for tok, lp in generate_step(
-        prompt, model, max_tokens=MAX_TOKENS, sampler=greedy, prompt_cache=cache
+        prompt,
+        model,
+        max_tokens=MAX_TOKENS,
+        sampler=greedy,
+        prompt_cache=cache,
+        prefill_step_size=step,
     ):
         tokens.append(int(tok))
         logprobs.append(lp)
@@ -84,8 +91,9 @@ def stride(model: Any) -> int:
 
 def check(model: Any, ids: list[int], cache: Any, every: int, branch: int = 0) -> dict:
     """One request against mlx-lm; with a stride ``every`` (recurrent layers), mlx-lm resumed
-    at mlxcache's splits: the first block (a cold start), the stride's multiples, ``branch``
-    (the branch point these prompts share) and the hit's length."""
+    at mlxcache's splits: the stride's multiples (2,048 here: none in these prompts, a cold run
+    splits where mlx-lm does), ``branch`` (the branch point these prompts share) and the hit's
+    length."""
     from mlxcache.integrations.mlx_lm import stream_generate_tokens
 
     steps = list(stream_generate_tokens(model, ids, cache=cache, max_tokens=MAX_TOKENS))
@@ -95,7 +103,7 @@ def check(model: Any, ids: list[int], cache: Any, every: int, branch: int = 0) -
     splits = (
         []
         if not every
-        else sorted({BLOCK, branch, result.cached_tokens, *range(every, n - 1, every)} - {0})
+        else sorted({branch, result.cached_tokens, *range(every, n - 1, every)} - {0})
     )
     ref_tokens, ref = reference(model, ids, splits)
     return {
