@@ -8,8 +8,8 @@ there resumes fully. A cold prefill splits exactly where the engine's does, so i
 engine's uncached one even where any split changes the numerics (mlx-vlm's qwen3_5); with a
 prefill step of one block every checkpoint is on the engine's own chunks, and every answer is
 the uncached engine's at that step (tokens and every step's log-probabilities), mlx-lm's
-(qwen3_5) and mlx-vlm's (qwen3_5, gated-delta; lfm2_vl, short-conv); a corrupt checkpoint is a
-miss.
+(qwen3_5) and mlx-vlm's (qwen3_5, gated-delta; lfm2_vl, short-conv); off that grid (a step of
+24), the engine resumed at the same splits. A corrupt checkpoint is a miss.
 """
 
 from __future__ import annotations
@@ -107,9 +107,9 @@ def test_chunks_also_end_on_the_branch_and_on_the_stride_when_resumed_off_it():
 # ---------------------------------------------------------------- mlx-lm
 
 
-def _lm_run(model, ids, cache, step=BS):
-    """mlxcache's answer, which must be mlx-lm's uncached ``generate_step`` at ``step``: every
-    split mlxcache makes here is one of the engine's own chunk ends."""
+def _lm_run(model, ids, cache, step=BS, splits=()):
+    """mlxcache's answer, which must be mlx-lm's uncached ``generate_step`` at ``step`` (every
+    split mlxcache makes is one of the engine's own chunk ends), or resumed at ``splits``."""
     from mlxcache.integrations.mlx_lm import stream_generate_tokens
 
     steps = list(
@@ -119,16 +119,16 @@ def _lm_run(model, ids, cache, step=BS):
     )
     result = steps[-1].result
     got = (result.tokens, harness.digest([s.logprobs for s in steps]))
-    assert got == lm.reference(model, ids, step=step)
+    assert got == lm.reference(model, ids, splits, step=step)
     return result.cached_tokens
 
 
-def _vlm_run(spec, model, ids, cache, step=BS):
-    """As ``_lm_run``, against mlx-vlm's uncached ``generate_step`` at ``step``."""
+def _vlm_run(spec, model, ids, cache, step=BS, splits=()):
+    """As ``_lm_run``, against mlx-vlm's ``generate_step`` at ``step``."""
     _, pixels, kwargs = harness.prompt(spec)
     kwargs = {**kwargs, "prefill_step_size": step}
     got, digest, result = harness.ours(model, ids, pixels, kwargs, cache)
-    want = harness.reference(model, ids, pixels, kwargs)
+    want = harness.reference(model, ids, pixels, kwargs, splits)
     assert (got, digest) == want
     return result.cached_tokens, want
 
@@ -157,6 +157,40 @@ def test_a_cold_prefill_through_the_cache_answers_like_the_uncached_engine(tmp_p
     other = {**kwargs, "prefill_step_size": 2048 if step == BS else BS}
     assert want != harness.reference(model, ids, pixels, other)
     assert _vlm_run(spec, model, ids, cache, step)[0] == N - 1  # a repeat: the same answer
+
+
+@pytest.mark.parametrize("engine", ["mlx_lm", "mlx_vlm"])
+def test_a_branch_off_the_steps_grid_is_the_engine_resumed_at_the_same_splits(tmp_path, engine):
+    """qwen3_5 at a step of 24 on blocks of 16, 120 tokens: a stride of 48 (the lcm); a cold
+    prompt splits as the engine (24, 48, 72, 96); a branch at 70 resumes at 48, adds its branch
+    point (64) and then splits at the stride (96) too: the engine resumed at 64 and 96
+    (mlx-vlm's changes at any split)."""
+    n = 120
+    if engine == "mlx_lm":
+        model, share, ids = lm.build("qwen3_5"), 1.0, lm.text("qwen3_5", n, 1)
+
+        def run(tokens, splits=()):
+            return _lm_run(model, tokens, cache, 24, splits)
+
+        def text(k, seed):
+            return lm.text("qwen3_5", k, seed)
+
+    else:
+        spec, share = SPECS["qwen3_5"], 0.25
+        model, ids = harness.build(spec), harness.prompt(spec, n=n)[0]
+
+        def run(tokens, splits=()):
+            return _vlm_run(spec, model, tokens, cache, 24, splits)[0]
+
+        def text(k, seed):
+            return harness.text(spec, k, seed)
+
+    cache = _cache(tmp_path, engine, share)
+    assert run(ids) == 0
+    assert sorted(_tails(cache)) == [48, 96, 119]
+    assert run(ids[:70] + text(n - 70, 7), [64, 96]) == 48
+    assert 64 in _tails(cache)
+    assert run(ids[:70] + text(n - 70, 8), [64, 96]) == 64  # resumes at the branch point
 
 
 def test_mlx_lm_branches_resume_at_checkpoints_like_the_engine(tmp_path):
