@@ -1,8 +1,9 @@
 """The mlx-lm side of the model-family matrix (docs/models.md): mlx-lm's answer, bit for bit.
 
 One tiny model per family (configs from mlx-lm's own ``test_all_models``), prompts cold, warm,
-extended and branched through mlxcache on a ``file://`` store, each compared with mlx-lm's
-uncached ``generate_step`` (or mlx-lm resumed at the same split, for recurrent layers).
+extended and branched (twice) through mlxcache on a ``file://`` store, each compared with
+mlx-lm's uncached ``generate_step`` (or mlx-lm resumed at the same splits, for recurrent layers:
+a cold run splits where mlx-lm does).
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ pytest.importorskip("mlx_lm")
 from families import lm  # noqa: E402
 from families.harness import BRANCH, PROMPT  # noqa: E402
 
-# family -> what a branched prompt reuses: "block" (any block boundary), "length" (a stored
-# length only: sliding-window, chunked and recurrent layers, docs/prefix.md)
+# family -> what a branched prompt reuses: "block" (any block boundary), "checkpoint" (recurrent
+# layers: a stride checkpoint, here none below 2,048 tokens, or the branch point a request that
+# branched there left, docs/prefix.md "Checkpoints")
 FAMILIES = {
     "glm": "block",
     "seed_oss": "block",
@@ -27,10 +29,10 @@ FAMILIES = {
     "olmo3": "block",
     "gemma4": "block",
     "llama4": "block",
-    "mamba2": "length",
-    "qwen3_5": "length",
-    "qwen3_5_moe": "length",
-    "qwen3_next": "length",
+    "mamba2": "checkpoint",
+    "qwen3_5": "checkpoint",
+    "qwen3_5_moe": "checkpoint",
+    "qwen3_next": "checkpoint",
 }
 
 
@@ -43,3 +45,4 @@ def test_text_family_answers_like_mlx_lm(name, tmp_path):
     assert r["extended"]["cached"] >= PROMPT - 1  # the next turn resumes the stored turn
     branched = BRANCH if FAMILIES[name] == "block" else 0
     assert r["branched"]["cached"] == branched
+    assert r["branched_again"]["cached"] == BRANCH

@@ -3,7 +3,8 @@ boundary: stored per block, rebuilt from the blocks holding their window, and co
 bit like the engine's own layer resumed at the same split. A corrupt block is a miss there; a
 store written before window layers (whole-window checkpoints in tails) is a miss at a block
 boundary and still a right hit at its stored lengths. State layers (ArraysCache) are
-checkpointed at the prefill's chunk ends on block boundaries, where the engine splits too."""
+checkpointed at their stride, on the engine's own chunk ends, and at branch points
+(tests/test_checkpoints.py has the rule)."""
 
 from __future__ import annotations
 
@@ -236,29 +237,36 @@ def test_a_store_from_before_window_layers_is_a_miss_at_a_block_boundary(monkeyp
     assert pc.stats()["rejected"] >= 1
 
 
-def test_state_layers_are_checkpointed_at_the_prefill_chunk_ends(models):
-    """lfm2 (ArraysCache + KVCache), chunks of 64 on blocks of 32: tails at 64, 128 and 192
-    hold the conv state, so a branch at 140 resumes at 128, bit-exact with mlx-lm's own
-    generate_step (whose chunks end there too); in one chunk there is no such end: a miss."""
+def test_state_layers_are_checkpointed_at_their_stride_on_the_engines_chunks(models):
+    """lfm2 (ArraysCache + KVCache) on blocks of 32: its stride is the smallest multiple of
+    lcm(block, prefill step) (its conv state is small beside its KV): in chunks of 64, tails at
+    64, 128 and 192 and a branch at 140 resumes at 128; in chunks of 2048 none inside the
+    prompt, the first branch misses and leaves its branch point (128), where the next one
+    resumes. Each answer is mlx-lm's resumed there and its uncached one (short-conv state)."""
     from mlxcache.integrations.mlx_lm import generate_tokens
 
     model = models["lfm2"]
     ids = prompt_ids(200)
-    branched = ids[:140] + prompt_ids(60, seed=9)
-    for step, reused in ((64, 128), (2048, 0)):
+    for step, tails, first in ((64, [64, 128, 192, 199], 128), (2048, [199], 0)):
         cache = PrefixCache("memory://", model="lfm2", block_size=32, hot_bytes=0)
         options = {"prefill_step_size": step}
         assert (
             generate_tokens(model, ids, cache=cache, max_tokens=4, **options).stored_tokens == 199
         )
-        r = generate_tokens(model, branched, cache=cache, max_tokens=4, **options)
-        assert r.cached_tokens == reused
-        got = (r.tokens, bits(r.first_logits - mx.logsumexp(r.first_logits, keepdims=True)))
-        assert (
-            got
-            == _engine_at(model, branched, reused, options)
-            == _engine_at(model, branched, 0, options)
+        stored = sorted(
+            cache.backend.get(k).meta["length"] for k in cache.backend.keys() if "/t/" in k
         )
+        assert stored == tails
+        for seed, reused in ((9, first), (10, 128)):
+            branched = ids[:140] + prompt_ids(60, seed=seed)
+            r = generate_tokens(model, branched, cache=cache, max_tokens=4, **options)
+            assert r.cached_tokens == reused
+            got = (r.tokens, bits(r.first_logits - mx.logsumexp(r.first_logits, keepdims=True)))
+            assert (
+                got
+                == _engine_at(model, branched, 128, options)
+                == _engine_at(model, branched, 0, options)
+            )
 
 
 def test_a_mid_prefill_store_writes_whole_blocks_and_only_checkpoint_tails():

@@ -4,7 +4,11 @@ An engine (mlx-vlm, mlx-lm) gives a fresh prompt cache and a step function that 
 on prompt positions ``[s, e)``. This module finds the longest cached prefix of all but the last
 token, checks that it fits the fresh cache, runs the rest in chunks, stores the new blocks and
 runs the last token alone (as the engines' own ``generate_step`` does): a repeat of a prompt
-restores everything but one token, and a hit never needs a cache that can be cut. A cache that
+restores everything but one token, and a hit never needs a cache that can be cut. A cache with
+state layers (ArraysCache) is split and checkpointed where ``prefix/checkpoints.py`` says: at a
+stride (a multiple of the engine's prefill step, so a prefill with nothing restored and no branch
+point splits only where the engine's own does) and at the block boundary where the request
+branched off a stored prompt. A cache that
 fails (a backend that raises, any error inside the cache) is logged and the prompt runs
 uncached: the cache never breaks inference.
 """
@@ -19,6 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.prefix.cache import PrefixHit
+from mlxcache.prefix.checkpoints import DEFAULT_SHARE, Checkpoints
 from mlxcache.serializers import adapters
 
 log = logging.getLogger("mlxcache")
@@ -80,10 +85,12 @@ def same_layout(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:
 
 @dataclass
 class Found:
-    """What a lookup found: a usable prefix (or None) and the images' embeddings (or None)."""
+    """What a lookup found: a usable prefix (or None), the images' embeddings (or None) and,
+    for a cache with state layers, the branch point to checkpoint at (0: none)."""
 
     hit: PrefixHit | None = None
     vision_embeddings: Any = None
+    branch: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -113,7 +120,23 @@ def lookup(
     if hit is not None and not fits(hit.prompt_cache, fresh):
         log.warning("mlxcache: cached prefix has another cache layout; ignoring it")
         hit = None
-    return Found(hit, vision)
+    have = hit.num_tokens if hit is not None else 0
+    branch = branch_point(cache, tokens[:-1], images, have) if holds_state(fresh) else 0
+    return Found(hit, vision, branch)
+
+
+def branch_point(cache: Any, tokens: Sequence[int], images: Sequence[Any], have: int) -> int:
+    """The last block boundary at or before where ``tokens`` stop matching stored blocks, when
+    it lies past the ``have`` restored tokens and before the end (else 0): a checkpoint there
+    lets the next request that branches at the same place resume there.
+
+    One ``longest`` (a ``contains_many``, none when ``have`` is in the last block).
+    """
+    if have >= len(tokens):
+        return 0
+    matched = cache_call("probe", cache.longest, list(tokens), images=images, have=have) or 0
+    b = matched // cache.block_size * cache.block_size
+    return b if have < b < len(tokens) else 0
 
 
 def extend(
@@ -124,19 +147,30 @@ def extend(
     *,
     step_size: int,
     after_chunk: Callable[[int], None] | None = None,
+    checkpoints: Checkpoints | None = None,
 ) -> None:
     """Run prompt positions ``[start, end)`` in chunks of ``step_size``, evaluating the cache.
 
-    ``after_chunk(e)`` runs after each chunk is evaluated (progress, freeing buffers).
+    With ``checkpoints`` the chunks end where it says (``Checkpoints.next_end``: the same
+    chunks from a cold start; also at the branch point, and at stride multiples when resumed
+    off the step's grid). ``after_chunk(e)`` runs after each chunk is evaluated (progress,
+    freeing buffers, storing).
     """
     if step_size <= 0:
         raise ValueError(f"prefill_step_size must be positive, got {step_size}")
-    for s in range(start, end, step_size):
+    s = start
+    while s < end:
         e = min(s + step_size, end)
+        if checkpoints is not None:
+            checkpoints.learn(prompt_cache)
+            e = checkpoints.next_end(s, end)
         run(s, e)
         mx.eval([c.state for c in prompt_cache])
+        if checkpoints is not None:
+            checkpoints.learn(prompt_cache, ran=True)
         if after_chunk is not None:
             after_chunk(e)
+        s = e
 
 
 def store(
@@ -173,25 +207,32 @@ def finish_prompt(
     extras: dict[str, mx.array] | None = None,
     vision_embeddings: Any = None,
     after_chunk: Callable[[int], None] | None = None,
+    branch: int = 0,
 ) -> tuple[Any, int]:
     """Extend a cache holding ``tokens[:start]`` to all but the last token, store, run the last.
 
     With ``cache`` (a PrefixCache) the state before the last token is stored when something was
-    new; with window layers, each chunk's whole blocks too, right after the chunk, and with state
-    layers a checkpoint at each chunk end on a block boundary. Returns the last token's ``run``
-    output and how many tokens the stores kept.
+    new; with window layers, each chunk's whole blocks too, right after the chunk. With state
+    layers the chunks end on checkpoints too (prefix/checkpoints.py: a stride of whole prefill
+    steps, and ``branch``, the block boundary ``lookup`` found a request to branch at), each
+    stored with its blocks. Returns
+    the last token's ``run`` output and how many tokens the stores kept.
     """
     n = len(tokens)
     stored = 0
     each = after_chunk
     windows, states = cache is not None and holds_window(prompt_cache), holds_state(prompt_cache)
+    marks = None
+    if cache is not None and states:
+        share = getattr(cache, "checkpoint_share", DEFAULT_SHARE)
+        marks = Checkpoints(cache.block_size, share, step_size, branch)
     if cache is not None and (windows or states):
         # a window layer drops old tokens in the next chunk: store each chunk's whole blocks
-        # while it holds them; a state layer (ArraysCache) is checkpointed at the chunk ends
-        # that are block boundaries (the engine's own splits: no answer changes)
+        # while it holds them; a state layer (ArraysCache) is checkpointed at its marks (the
+        # answer is the engine's resumed at the same splits)
         def each(e: int) -> None:
             nonlocal stored
-            if e < n - 1 and (windows or e % cache.block_size == 0):
+            if e < n - 1 and (windows or (marks is not None and marks.keeps(e))):
                 kept = cache_call(
                     "store",
                     cache.store,
@@ -204,7 +245,9 @@ def finish_prompt(
             if after_chunk is not None:
                 after_chunk(e)
 
-    extend(run, prompt_cache, start, n - 1, step_size=step_size, after_chunk=each)
+    extend(
+        run, prompt_cache, start, n - 1, step_size=step_size, after_chunk=each, checkpoints=marks
+    )
     if cache is not None and n - 1 > start:
         stored += store(
             cache,

@@ -20,7 +20,7 @@ from mlxcache.backends.base import CacheBackend, log, put_all
 from mlxcache.backends.chains import add_sibling, walk_chain, walks_chains
 from mlxcache.backends.counters import Counters, Latency
 from mlxcache.backends.writer import BackgroundWriter
-from mlxcache.prefix import counts, heal
+from mlxcache.prefix import checkpoints, counts, heal
 from mlxcache.prefix import probe as prefix_probe
 from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
@@ -63,7 +63,8 @@ class PrefixCache:
     ``kv_group_size``: lossy, fewer bytes moved; its own namespace (docs/prefix.md).
     ``hot_bytes`` bounds the in-process hot tier of assembled prefixes (0: none; see
     ``prefix_hot.py``); with ``hot_probe=False`` a hot entry answers without asking the backend
-    for a longer prefix (another worker's is then not used).
+    for a longer prefix (another worker's is then not used). ``checkpoint_share`` bounds the
+    state-layer checkpoints mlxcache's generation stores (``prefix/checkpoints.py``).
     """
 
     def __init__(
@@ -78,7 +79,9 @@ class PrefixCache:
         kv_group_size: int = 64,
         hot_bytes: int = DEFAULT_HOT_BYTES,
         hot_probe: bool = True,
+        checkpoint_share: float = checkpoints.DEFAULT_SHARE,
     ) -> None:
+        self.checkpoint_share = checkpoints.validate_share(checkpoint_share)
         self.kv_quant = kv_quant.make(kv_bits, kv_group_size)  # ValueError before opening
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")

@@ -2,8 +2,10 @@
 
 Every mlxcache run (cold, warm, extended, branched, another image, a new process) must give the
 engine's greedy tokens and the bytes of every step's log-probabilities. Where a family's numerics
-depend on where the prompt is split (``Spec.split_sensitive``), the reference is the engine
-resumed at the same split: its chunked prefill stopped at the hit's length.
+depend on where the prompt is split (``Spec.split_sensitive``: recurrent layers), the reference is
+the engine resumed at the same splits: its chunked prefill stopped at the hit's length and at the
+branch point a branched prompt checkpoints (docs/prefix.md "Checkpoints"); a cold run splits
+where the engine does (the stride, 2,048 at the default prefill step, lies past these prompts).
 """
 
 from __future__ import annotations
@@ -101,18 +103,18 @@ def digest(arrays: list[Any]) -> str:
     return h.hexdigest()
 
 
-def reference(model: Any, ids: list[int], pixels: Any, kwargs: dict, split: int = 0) -> tuple:
-    """mlx-vlm's uncached greedy generate_step: (tokens, logprobs digest); with ``split``, its
-    chunked prefill stops there first (the engine resumed at that split)."""
+def reference(model: Any, ids: list[int], pixels: Any, kwargs: dict, splits=()) -> tuple:
+    """mlx-vlm's uncached greedy generate_step: (tokens, logprobs digest); with ``splits``, its
+    chunked prefill stops at each first (the engine resumed at those splits)."""
     import mlx.core as mx
     from mlx_vlm.generate.ar import generate_step
 
     x = mx.array([ids])
     more: dict[str, Any] = {}
-    if split:
+    if splits:
         more = {
             "prompt_cache_checkpoint": lambda n, cache: None,
-            "prompt_cache_checkpoint_lengths": [split],
+            "prompt_cache_checkpoint_lengths": list(splits),
         }
     tokens, logprobs = [], []
     for tok, lp in generate_step(
@@ -140,13 +142,18 @@ def open_cache(model: Any, uri: str) -> Any:
     return PrefixCache(uri, model=model_identity(model), block_size=BLOCK, hot_bytes=0)
 
 
-def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: Any) -> dict:
-    """One request through mlxcache against the engine: what a test asserts on."""
+def check(
+    spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: Any, branch: int = 0
+) -> dict:
+    """One request through mlxcache against the engine: what a test asserts on; ``branch``:
+    where the prompt branches off a stored one (a checkpoint with state layers)."""
     if spec.token_kwargs is not None:
         kwargs = {**kwargs, **spec.token_kwargs(ids)}
     tokens, got, result = ours(model, ids, pixels, kwargs, cache)
-    split = result.cached_tokens if spec.split_sensitive else 0
-    ref_tokens, ref = reference(model, ids, pixels, kwargs, split)
+    splits: list[int] = []
+    if spec.split_sensitive:  # mlxcache's chunks end on the hit and the branch point
+        splits = sorted({branch, result.cached_tokens} - {0})
+    ref_tokens, ref = reference(model, ids, pixels, kwargs, splits)
     return {
         "tokens": tokens,
         "ref_tokens": ref_tokens,
@@ -160,7 +167,8 @@ def check(spec: Spec, model: Any, ids: list, pixels: Any, kwargs: dict, cache: A
 
 
 def scenarios(spec: Spec, uri: str) -> dict[str, dict]:
-    """cold, warm, extended, branched and (with an image) image B, in this process."""
+    """cold, warm, extended, branched (again, with state layers) and (with an image) image B,
+    in this process."""
     model = build(spec)
     cache = open_cache(model, uri)
     ids, pixels, kwargs = prompt(spec)
@@ -170,7 +178,10 @@ def scenarios(spec: Spec, uri: str) -> dict[str, dict]:
     extended = ids + out["warm"]["tokens"] + question
     out["extended"] = check(spec, model, extended, pixels, kwargs, cache)
     branched = ids[:BRANCH] + text(spec, PROMPT - BRANCH, 4)
-    out["branched"] = check(spec, model, branched, pixels, kwargs, cache)
+    out["branched"] = check(spec, model, branched, pixels, kwargs, cache, BRANCH)
+    if spec.expect == "exact":  # state layers: the next branch there resumes at its checkpoint
+        again = ids[:BRANCH] + text(spec, PROMPT - BRANCH, 5)
+        out["branched_again"] = check(spec, model, again, pixels, kwargs, cache, BRANCH)
     if spec.image is not None:
         ids_b, pixels_b, kwargs_b = prompt(spec, image_seed=5)
         out["image_b"] = check(spec, model, ids_b, pixels_b, kwargs_b, cache)

@@ -3,8 +3,8 @@
 Tiny random-weight models from the configs in ``mlx_lm_configs.json`` (taken from
 ``test_all_models`` in mlx-lm 0.32.2's tests/test_models.py). Every answer must equal mlx-lm's
 uncached ``generate_step`` (greedy tokens, the bytes of every step's log-probabilities); for a
-split-sensitive model (recurrent layers) the reference is mlx-lm resumed at the same split: its
-own chunk call over ``[0, split)``, then ``generate_step`` on the rest with that cache.
+split-sensitive model (recurrent layers) the reference is mlx-lm resumed at the same splits: its
+own chunk calls ending at each, then ``generate_step`` on the rest with that cache.
 """
 
 from __future__ import annotations
@@ -44,34 +44,68 @@ def split_sensitive(model: Any) -> bool:
     return any(type(c).__name__ == "ArraysCache" for c in make_prompt_cache(model))
 
 
-def reference(model: Any, ids: list[int], split: int = 0) -> tuple[list[int], str]:
+def reference(model: Any, ids: list[int], splits=(), step: int = 2048) -> tuple[list[int], str]:
+    """mlx-lm's greedy generate_step with ``prefill_step_size=step``; with ``splits``, resumed
+    at each (its own chunk calls, ``step`` tokens at most)."""
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     prompt = mx.array(ids)
-    if split:
-        model(prompt[:split][None], cache=cache)  # mlx-lm's own chunk call
-        mx.eval([c.state for c in cache])
-        prompt = prompt[split:]
+    start = 0
+    for split in splits:
+        for s in range(start, split, step):  # mlx-lm's own chunk calls
+            model(prompt[s : min(s + step, split)][None], cache=cache)
+            mx.eval([c.state for c in cache])
+        start = split
+    prompt = prompt[start:]
     tokens, logprobs = [], []
     greedy = lambda x: mx.argmax(x, axis=-1)  # noqa: E731
     for tok, lp in generate_step(
-        prompt, model, max_tokens=MAX_TOKENS, sampler=greedy, prompt_cache=cache
+        prompt,
+        model,
+        max_tokens=MAX_TOKENS,
+        sampler=greedy,
+        prompt_cache=cache,
+        prefill_step_size=step,
     ):
         tokens.append(int(tok))
         logprobs.append(lp)
     return tokens, digest(logprobs)
 
 
-def check(model: Any, ids: list[int], cache: Any, sensitive: bool) -> dict:
+def stride(model: Any) -> int:
+    """The checkpoint stride mlxcache measures for ``model`` at ``BLOCK`` and the default share."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcache.prefix import checkpoints
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[1] * 8]), cache=cache)
+    got = checkpoints.stride(cache, BLOCK, checkpoints.DEFAULT_SHARE, 2048)
+    assert got is not None
+    return got
+
+
+def check(model: Any, ids: list[int], cache: Any, every: int, branch: int = 0) -> dict:
+    """One request against mlx-lm; with a stride ``every`` (recurrent layers), mlx-lm resumed
+    at mlxcache's splits: the stride's multiples (2,048 here: none in these prompts, a cold run
+    splits where mlx-lm does), ``branch`` (the branch point these prompts share) and the hit's
+    length."""
     from mlxcache.integrations.mlx_lm import stream_generate_tokens
 
     steps = list(stream_generate_tokens(model, ids, cache=cache, max_tokens=MAX_TOKENS))
     result = steps[-1].result
     got = digest([s.logprobs for s in steps])
-    ref_tokens, ref = reference(model, ids, result.cached_tokens if sensitive else 0)
+    n = len(ids)
+    splits = (
+        []
+        if not every
+        else sorted({branch, result.cached_tokens, *range(every, n - 1, every)} - {0})
+    )
+    ref_tokens, ref = reference(model, ids, splits)
     return {
         "exact": result.tokens == ref_tokens and got == ref,
         "tokens": result.tokens,
@@ -86,13 +120,15 @@ def scenarios(name: str, uri: str) -> dict[str, dict]:
     from mlxcache.prefix.model_id import model_identity
 
     model = build(name)
-    sensitive = split_sensitive(model)
+    every = stride(model) if split_sensitive(model) else 0
     cache = PrefixCache(uri, model=model_identity(model), block_size=BLOCK, hot_bytes=0)
     ids = text(name, PROMPT, 1)
-    out = {"cold": check(model, ids, cache, sensitive)}
-    out["warm"] = check(model, ids, cache, sensitive)
+    out = {"cold": check(model, ids, cache, every)}
+    out["warm"] = check(model, ids, cache, every)
     extended = ids + out["warm"]["tokens"] + text(name, 24, 3)
-    out["extended"] = check(model, extended, cache, sensitive)
+    out["extended"] = check(model, extended, cache, every)
     branched = ids[:BRANCH] + text(name, PROMPT - BRANCH, 4)
-    out["branched"] = check(model, branched, cache, sensitive)
+    out["branched"] = check(model, branched, cache, every, BRANCH)
+    again = ids[:BRANCH] + text(name, PROMPT - BRANCH, 5)  # branches where the last one did
+    out["branched_again"] = check(model, again, cache, every, BRANCH)
     return out

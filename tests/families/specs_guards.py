@@ -264,7 +264,7 @@ SPECS += [
             pixel_attention_mask=[[1] * 16],
         ),
         expect="exact",
-        notes="short-conv layers: reused at a stored length only",
+        notes="short-conv layers: reused at checkpoints (stride, branch points)",
     )
 ]
 

@@ -247,7 +247,7 @@ def _qwen(name: str, config: dict, notes: str, image=None, **more) -> Spec:
     return Spec(name, config, image, text_ids=(1, 990), notes=notes, **more)
 
 
-# gated-delta layers: exact against the engine resumed at the same split, at a stored length
+# gated-delta layers: exact against the engine resumed at the same splits, at checkpoints
 _RECURRENT = {"expect": "exact", "split_sensitive": True}
 
 SPECS = [
@@ -260,7 +260,7 @@ SPECS = [
     _qwen(
         "qwen3_5",
         QWEN3_5,
-        "gated-delta recurrent layers: reused at a stored length only",
+        "gated-delta recurrent layers: reused at checkpoints (stride, branch points)",
         **_RECURRENT,
     ),
     _qwen("qwen3_5_moe", QWEN3_5_MOE, "as qwen3_5, with MoE layers", **_RECURRENT),

@@ -213,6 +213,7 @@ def prefill(
         cache=cache if use_cache else None,
         step_size=prefill_step_size,
         after_chunk=after_chunk,
+        branch=found.branch,
     )
     mx.eval(logits)
     progress(n, n)

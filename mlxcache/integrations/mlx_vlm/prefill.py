@@ -205,6 +205,7 @@ def prefill(
             images=keys,
             extras=extras,
             vision_embeddings=features,
+            branch=found.branch,
         )
     logits = out.logits[:, -1, :]
     mx.eval(logits)
