@@ -24,7 +24,7 @@ from vllm_servers import require_vllm_python
 CONFIG = json.loads((Path(__file__).parent / "families" / "mlx_lm_configs.json").read_text())
 
 SCRIPT = r"""
-import hashlib, importlib, json, sys
+import hashlib, importlib, json, sys, threading
 import mlx.core as mx
 import numpy as np
 from mlxcache.integrations.vllm_mlx import mllm_salts, salts, seam
@@ -77,15 +77,22 @@ salts.admit("", None)
 warm = answer(server, PROMPT)
 after, tier_after = cache.get_stats(), tier.stats()
 salts.admit(salt, None)
+cache.fetch_exact_auxiliary(PROMPT)  # read on this thread: another thread's fetch is its own
+elsewhere = []
+thread = threading.Thread(target=lambda: (salts.admit(salt, None),
+                                          elsewhere.append(len(cache.fetch(PROMPT)[1]))))
+thread.start()
+thread.join()
+here = len(cache.fetch(PROMPT)[1])
 _, remaining = cache.fetch(PROMPT)  # as the text scheduler fetches: the tier's prefix
 print(json.dumps({
+    "remaining": [elsewhere[0], here, len(remaining)],
     "reference": reference, "cold": cold, "warm": warm,
     "logits": "last_logits" in (entry.auxiliary or {}),
     "shorter": tier.prefix.lookup(PROMPT[:-1]).num_tokens,
     "hits": after["hits"] - before["hits"],
     "tokens_saved": after["tokens_saved"] - before["tokens_saved"],
     "tier_hits": tier_after["hits"] - tier_before["hits"],
-    "scheduler_remaining": len(remaining),
 }))
 """
 
@@ -110,5 +117,6 @@ def test_an_exact_entry_with_logits_is_its_own_kv(tmp_path, budget, salt):
     assert out["warm"] == out["reference"]  # tokens and the bytes of every log-probability
     # counted as what it was: vllm-mlx's exact hit of all 72 tokens, not a shared-tier hit
     assert (out["hits"], out["tokens_saved"], out["tier_hits"]) == (1, 72, 0)
-    # a fetch without the logits (the text scheduler's) still gets the tier's prefix
-    assert out["scheduler_remaining"] == 72 - 48
+    # a fetch without the logits read on its thread just before (the text scheduler's, or
+    # another thread's) still gets the tier's prefix; after the read, the exact entry
+    assert out["remaining"] == [72 - 48, 0, 72 - 48]

@@ -246,8 +246,9 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
             salt = salts.admitting()  # the request being admitted (salts.py); "" for none
             salts.remember(tokens)
             key = salts.salted(tokens, salt)
-            with_logits = getattr(self.mlxcache_logits, "key", None) == tuple(key)
+            read = getattr(self.mlxcache_logits, "key", None)
             self.mlxcache_logits.key = None
+            with_logits = read is not None and read == tuple(key)
             cache, remaining = super().fetch(key)
             remaining = salts.unsalted(remaining)
             if salt and cache is not None:  # super() counted the sentinel's words as tokens
@@ -263,7 +264,7 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
             ``fetch`` of these tokens and prefills nothing, so that fetch is the exact entry."""
             key = salts.salted(tokens, salts.admitting())
             aux = super().fetch_exact_auxiliary(key)
-            with_logits = isinstance(aux, dict) and "last_logits" in aux
+            with_logits = aux is not None and "last_logits" in aux  # as vllm-mlx tests it
             self.mlxcache_logits.key = tuple(key) if with_logits else None
             return aux
 
