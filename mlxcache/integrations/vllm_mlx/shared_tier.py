@@ -12,7 +12,9 @@ mlxcache URI underneath:
 - a fetch the in-process LRU answers with fewer than ``len(tokens) - 1`` tokens (a miss, a
   shorter prefix, or an exact/supersequence match, which vllm-mlx's scheduler throws away and
   prefills in full) asks the shared tier, which restores at most ``len(tokens) - 1`` tokens
-  as a ``"prefix"`` match, so the scheduler runs only the rest;
+  as a ``"prefix"`` match, so the scheduler runs only the rest; but when the batched MLLM
+  path has just read that exact entry's ``last_logits`` (``fetch_exact_auxiliary``, on the
+  same thread), it samples from them and prefills nothing, so that fetch is the entry itself;
 - hits and ``tokens_saved`` from the shared tier count in vllm-mlx's own stats
   (``GET /v1/cache/stats``), and ``get_stats()`` adds the tier's counters as ``"mlxcache"``.
 
@@ -226,6 +228,7 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
             revision = getattr(self, "_model_revision", None)
             self.mlxcache_tier = SharedTier(tier_config, identity(model, tier_config, revision))
             self.mlxcache_salted: dict[str, SharedTier] = {}  # a request salt's own tier
+            self.mlxcache_logits = threading.local()  # key: an exact entry's logits were read
             log.info("vllm-mlx shared tier: %s on %r", self.mlxcache_tier.model_id,
                      tier_config.backend)  # fmt: skip
 
@@ -242,16 +245,28 @@ def shared_prefix_cache_class(base: type, config: TierConfig) -> type:
         def fetch(self, tokens: list[int]) -> tuple[list[Any] | None, list[int]]:
             salt = salts.admitting()  # the request being admitted (salts.py); "" for none
             salts.remember(tokens)
-            if salt:
-                cache, remaining = super().fetch(salts.salted(tokens, salt))
-                remaining = salts.unsalted(remaining)
-            else:
-                cache, remaining = super().fetch(tokens)
+            key = salts.salted(tokens, salt)
+            read = getattr(self.mlxcache_logits, "key", None)
+            self.mlxcache_logits.key = None
+            with_logits = read is not None and read == tuple(key)
+            cache, remaining = super().fetch(key)
+            remaining = salts.unsalted(remaining)
+            if salt and cache is not None:  # super() counted the sentinel's words as tokens
+                self._stats.tokens_saved -= salts.SENTINEL
+            if with_logits:  # sampled from the entry's logits: its own KV, never a prefix
+                self._tier(salt).seen(tokens)
+                return cache, remaining
             return self._shared_fetch(tokens, cache, remaining, self._tier(salt))
 
         def fetch_exact_auxiliary(self, tokens: list[int]) -> Any:
-            # the batched MLLM path asks it before its lookup: the same request's salt
-            return super().fetch_exact_auxiliary(salts.salted(tokens, salts.admitting()))
+            """The batched MLLM path asks it before its lookup (the same request's salt); with
+            ``last_logits`` it samples the first token from them with the cache of the next
+            ``fetch`` of these tokens and prefills nothing, so that fetch is the exact entry."""
+            key = salts.salted(tokens, salts.admitting())
+            aux = super().fetch_exact_auxiliary(key)
+            with_logits = aux is not None and "last_logits" in aux  # as vllm-mlx tests it
+            self.mlxcache_logits.key = tuple(key) if with_logits else None
+            return aux
 
         def prepare_store(self, tokens: list[int], cache: list[Any], *args: Any, **kw: Any):
             found = salts.salts_of(tokens)
