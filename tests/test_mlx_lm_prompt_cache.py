@@ -323,17 +323,21 @@ def test_another_workers_prompt_is_fetched_with_one_probe():
 def test_store_prefill_keeps_a_windows_blocks_and_leaves_dense_caches_to_the_insert():
     """``store_prefill`` (mlxcache serve, after each prefill chunk): a window layer's blocks are
     stored while it holds them, so a branch at a block boundary hits later; a dense cache waits
-    for the insert; a state layer only at a block-aligned length."""
+    for the insert; a state layer only on its stride (without KV layers: the lcm of the block
+    and the prefill step, so at the engine's own chunk ends)."""
     from mlx_lm.models.cache import ArraysCache, RotatingKVCache
 
     backend = MemoryBackend()
-    cache = SharedPromptCache(backend=backend, block_size=8, background=False)
+    cache = SharedPromptCache(backend=backend, block_size=8, background=False, prefill_step=8)
     prompt = list(range(1, 25))
     cache.store_prefill(MODEL, prompt[:16], kv(prompt[:16]))
     assert not list(backend.keys(""))  # dense: the insert at the end stores every block
     state = ArraysCache(1)
     state[0] = mx.zeros((1, 4))
     assert not cache.prefill_store_due(12, [state]) and cache.prefill_store_due(16, [state])
+    steps = SharedPromptCache(backend=MemoryBackend(), block_size=8, prefill_step=12)
+    assert [n for n in range(8, 50, 4) if steps.prefill_store_due(n, [state])] == [24, 48]
+    steps.close()
 
     def rotating(layer, tokens):  # rows that are a function of the tokens, as kv() does
         t = mx.array(tokens, dtype=mx.float32).reshape(1, 1, -1, 1)

@@ -57,6 +57,22 @@ def _prompts(folder: str, *requests) -> list[list[int]]:
     return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in requests]
 
 
+def _stride(folder: str) -> int:
+    """The state checkpoint stride of a model at BLOCK and a prefill step of BLOCK."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlxcache.prefix import checkpoints
+
+    model, _ = load(folder)
+    cache = make_prompt_cache(model)
+    model(mx.array([[1] * 8]), cache=cache)
+    every = checkpoints.stride(cache, BLOCK, checkpoints.DEFAULT_SHARE, BLOCK)
+    assert every is not None and every % BLOCK == 0
+    return every
+
+
 def _common(a: list[int], b: list[int]) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
@@ -96,8 +112,9 @@ def test_a_shared_document_hits_on_a_second_server(family, tmp_path):
     assert system_end % BLOCK  # the chunks after it start off the blocks
     shared = [_common(*p) // BLOCK * BLOCK for p in prompts]
     assert min(shared) >= 3 * BLOCK  # the document spans blocks past the window
-    if family == "qwen3_5":  # state checkpoints: at chunk ends on block boundaries only
-        shared[2] = system_end // BLOCK * BLOCK
+    if family == "qwen3_5":  # state checkpoints: at chunk ends on the stride only
+        every = _stride(folder)
+        shared = [n // every * every for n in shared[:2]] + [system_end // every * every]
     compared = 0
     for w, c, h, hit, start in zip(want, cold, warm, shared, (0, 0, system_end), strict=True):
         assert c == (*w[0][:2], 0)

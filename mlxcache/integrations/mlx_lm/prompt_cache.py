@@ -30,6 +30,7 @@ from mlxcache.backends.base import CacheBackend
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.integrations.request_salt import join_salt
 from mlxcache.integrations.resume import holds_state, holds_window
+from mlxcache.prefix import checkpoints
 from mlxcache.prefix.cache import PrefixCache
 from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
@@ -102,7 +103,8 @@ class SharedPromptCache(LRUPromptCache):
     nothing, e.g. after a restart), as in mlx-lm: no round trip, but a longer prefix another
     worker stored is not used.
     ``kv_bits``/``kv_group_size`` store the shared tier's KV quantized (``PrefixCache``; the
-    hot tier keeps live caches).
+    hot tier keeps live caches). ``prefill_step`` is the engine's prefill chunk (mlx-lm's
+    ``--prefill-step-size``): ``store_prefill`` checkpoints state layers at the stride it gives.
     """
 
     def __init__(
@@ -121,11 +123,13 @@ class SharedPromptCache(LRUPromptCache):
         max_pending: int = 2,
         hot_bytes: int = 0,
         hot_probe: bool = True,
+        prefill_step: int = 2048,
     ) -> None:
         if isinstance(hot_bytes, bool) or not isinstance(hot_bytes, int) or hot_bytes < 0:
             raise ValueError(f"hot_bytes must be an int >= 0, got {hot_bytes!r}")
         super().__init__(max_size=max_size, max_bytes=max_bytes)
         self.identity, self.block_size, self.salt = identity, block_size, salt
+        self.prefill_step = prefill_step  # the engine's chunk: where state checkpoints may go
         kv_quant.make(kv_bits, kv_group_size)  # a bad setting raises here, not on first use
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.hot_bytes, self.hot_probe = hot_bytes, bool(hot_probe)
@@ -262,8 +266,10 @@ class SharedPromptCache(LRUPromptCache):
 
         A window layer (``RotatingKVCache``) drops its old tokens in the next chunk, so its whole
         blocks are stored now, after every chunk; a state layer (``ArraysCache``) is
-        checkpointed at chunk ends on a block boundary; a cache with neither is left to the
-        insert at the prompt's end. Queued on the writer thread like an insert, and before it.
+        checkpointed at chunk ends on its stride (``prefix/checkpoints.py``: a multiple of the
+        block and the prefill step, its state bytes bounded by the default share of its KV's);
+        a cache with neither is left to the insert at the prompt's end. Queued on the writer
+        thread like an insert, and before it.
         """
         if tokens and self.prefill_store_due(len(tokens), prompt_cache):
             self._submit((model, list(tokens), list(prompt_cache), _MID_PREFILL, []))
@@ -272,8 +278,13 @@ class SharedPromptCache(LRUPromptCache):
         """Whether ``store_prefill`` stores a cache of this class mix holding ``num_tokens``."""
         if self.backend is None or not prompt_cache:
             return False
-        aligned = num_tokens % self.block_size == 0
-        return holds_window(prompt_cache) or (aligned and holds_state(prompt_cache))
+        if holds_window(prompt_cache):
+            return True
+        if not holds_state(prompt_cache):
+            return False
+        share, step = checkpoints.DEFAULT_SHARE, self.prefill_step
+        every = checkpoints.stride(prompt_cache, self.block_size, share, step)
+        return every is not None and num_tokens % every == 0
 
     def _submit(self, job: tuple) -> None:
         """Run a store job on the writer thread (at once without one); a dropped job is counted

@@ -253,6 +253,7 @@ def make_run(options: argparse.Namespace):
             salt=options.cache_salt,
             kv_bits=options.cache_kv_bits,
             kv_group_size=options.cache_kv_group_size,
+            prefill_step=cli.prefill_step_size,
             background=True,  # stores run beside generation; a response still waits for its own
         )
         log.info("mlxcache serve: prompt cache %r", prompt_cache)
