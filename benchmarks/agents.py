@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import agents_shapes
+from benchmarks import agents_shapes, agents_vlm
 from benchmarks.common import Row, Stats, have
 
 SECTION = "agents"
@@ -59,7 +59,7 @@ def _model(name: str) -> Any:
 
 
 def _ids(rng: np.random.Generator, n: int) -> list[int]:
-    return rng.integers(1, 1000, size=n).tolist()
+    return rng.integers(1, 990, size=n).tolist()  # below the tiny VLMs' image tokens
 
 
 def _sessions(size: dict[str, int], kind: str) -> list[list[list[int]]]:
@@ -230,6 +230,10 @@ def run(ctx: Any) -> list[Row]:
                 )
             )
     rows += agents_shapes.run(size, ctx, _workload, _bytes)
+    if have("mlx_vlm.apc") and have("mlxcache.integrations.mlx_vlm"):
+        rows += agents_vlm.run(size, ctx, _workload, _count_row)
+    else:
+        ctx.note("mlx-vlm's APC or mlxcache's mlx-vlm integration is missing: its rows left out.")
     ctx.note(
         f"agents: block {size['block']}, {size['conversations']} conversations x "
         f"{size['turns']} turns on a {size['system']}-token system prompt, {size['questions']} "
