@@ -7,8 +7,8 @@ layer (``RotatingKVCache``) has dropped all but its last window, and a state lay
 inside the user turn found nothing to restore on these models. mlx-lm runs a prefill in chunks
 of ``--prefill-step-size``; after each chunk these seams give a copy of the request's cache to
 ``SharedPromptCache.store_prefill``, which stores its whole blocks (and, at a chunk end on the
-checkpoint stride, a checkpoint of the state layers) while the window still holds them. They read the cache
-and never touch it: mlx-lm computes exactly what it computes without them.
+checkpoint stride, a checkpoint of the state layers) while the window still holds them. They
+read the cache and never touch it: mlx-lm computes exactly what it computes without them.
 
 - ``batch_generator_class``: mlx-lm's ``BatchGenerator`` (requests served in a batch), storing
   each prompt's cache (mlx-lm's own ``extract_cache``) after every chunk inside a segment.
