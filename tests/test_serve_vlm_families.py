@@ -52,6 +52,8 @@ def test_repeat_is_cached_and_answers_the_stock_server_text(family, tmp_path):
     assert (text, n_warm) == (want, n) and 0 < cached < n
     if SERVED_BY[family] == "mlxcache":
         assert stats["mlxcache"]["hits"] == 1 and stats["mlxcache"]["tokens_reused"] == cached
+        # block mode: one lookup per request, its own (the checkpoint path stays mlx-vlm's)
+        assert stats["mlxcache"]["lookups"] == 2 and stats["exact_hits"] == 0
     else:
         # the cold request asked the store (a miss), the repeat found its checkpoint in process
         assert stats["exact_hits"] == 1 and stats["mlxcache"]["hits"] == 0

@@ -93,6 +93,9 @@ class SharedAPCManager(_apc.APCManager):
         self.prefix = prefix
         self.digests = digests
         self.errors = errors if errors is not None else ServeErrors("mlx-vlm")
+        # False once the server's self-check found block mode: its exact lookups stay mlx-vlm's
+        # (the block path above reads the store); unknown (True) asks the store
+        self.checkpoint_mode = True
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_hash: int = 0):
         """The block pool is off: the prefix cache (and its hot tier) answers instead."""
@@ -182,6 +185,8 @@ class SharedAPCManager(_apc.APCManager):
         cache, n = super().lookup_exact_cache(
             token_ids, extra_hash, max_prefix_tokens, min_prefix_tokens
         )
+        if not self.checkpoint_mode:
+            return cache, n
         shared = checkpoints.lookup(
             self.prefix,
             token_ids,
@@ -293,16 +298,25 @@ def install(
 
     done.replace(_apc, "hash_image_payload", hash_image_payload)
     done.replace(_apc, "from_env", from_env)
-    done.replace(_apc, "self_check_model_apc", _self_check(_apc.self_check_model_apc))
+
+    def on_mode(mode: str | None) -> None:  # the server checks the model its newest manager serves
+        if done.managers:
+            done.managers[-1].checkpoint_mode = mode != "block"
+
+    done.replace(_apc, "self_check_model_apc", _self_check(_apc.self_check_model_apc, on_mode))
     return done
 
 
-def _self_check(original: Callable[..., Any]) -> Callable[..., Any]:
+def _self_check(
+    original: Callable[..., Any], on_mode: Callable[[str | None], None]
+) -> Callable[..., Any]:
     """mlx-vlm's APC self-check without its false alarm, and one line saying what is cached.
 
     mlx-vlm's check fails every model whose language model has no ``make_cache``, yet its
     generator then builds one default cache per layer (``models.cache.make_prompt_cache``) and
-    its APC runs in block mode (``model_apc_mode``): that layout is checked instead.
+    its APC runs in block mode (``model_apc_mode``): that layout is checked instead. The
+    server runs it right after loading the model of its newest manager: ``on_mode`` gets the
+    mode found.
     """
 
     def self_check_model_apc(model: Any, *, kv_bits: Any = None, log: bool = True) -> Any:
@@ -314,6 +328,7 @@ def _self_check(original: Callable[..., Any]) -> Callable[..., Any]:
 
             caches = make_prompt_cache(language_model)
             result = _apc.validate_prompt_cache_layout(caches, apc_mode="block")
+        on_mode(getattr(result, "apc_mode", None))
         if log and result.ok:
             kinds = ",".join(sorted(set(result.layer_types))) or "-"
             logging.getLogger("mlxcache").info(
