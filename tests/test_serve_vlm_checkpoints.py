@@ -1,10 +1,10 @@
 """``mlxcache serve --engine mlx-vlm`` shares mlx-vlm's checkpoint-mode APC (issue 26).
 
-A tiny Gemma 3 (sliding-window layers: mlx-vlm's APC runs in checkpoint mode) answers an image
-prompt longer than its 64-token window on one server; a second live server on the same
-``file://`` cache, then a restarted one (SIGKILL), hit where the stock ``mlx_vlm.server``
-with its own APC on hits in its process, with the same text and the same ``cached_tokens``.
-Subprocesses and real HTTP throughout.
+A tiny Gemma 3 (sliding-window layers) and a tiny Qwen3.5 (a gated-delta recurrent layer): on
+both mlx-vlm's APC runs in checkpoint mode. An image prompt (longer than Gemma 3's 64-token
+window) is answered on one server; a second live server on the same ``file://`` cache, then a
+restarted one (SIGKILL), hit where the stock ``mlx_vlm.server`` with its own APC on hits in its
+process, with the same text and the same ``cached_tokens``. Subprocesses and real HTTP.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from vlm_server import VlmServer, user_turn
 
 from mlxcache.tiny_models import build_tiny_vlm
@@ -40,8 +41,9 @@ def _start_both(folder: str, cache: str, tmp_path) -> tuple[VlmServer, VlmServer
     return stock, ours
 
 
-def test_gemma3_checkpoints_are_shared_with_a_second_server_and_a_restart(tmp_path):
-    folder = str(build_tiny_vlm(tmp_path / "gemma3", family="gemma3"))
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_5"])
+def test_checkpoints_are_shared_with_a_second_server_and_a_restart(family, tmp_path):
+    folder = str(build_tiny_vlm(tmp_path / family, family=family))
     cache = f"file://{tmp_path}/cache"
     stock, first = _start_both(folder, cache, tmp_path)
     servers = [stock, first]
