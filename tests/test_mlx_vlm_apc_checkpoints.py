@@ -12,6 +12,7 @@ import logging
 import mlx.core as mx
 import pytest
 from families import harness, specs_qwen
+from redis_server import RedisServer
 from test_checkpoints import _tails
 from test_prefix_restore import flip
 
@@ -31,9 +32,11 @@ def lm(request):
     return harness.build(spec).language_model
 
 
-def _manager(path) -> SharedAPCManager:
-    """A manager on its own backend object and prefix cache (another server's, or a restart)."""
-    prefix = PrefixCache(open_backend(f"file://{path}"), model="gemma3-test", block_size=16)
+def _manager(where) -> SharedAPCManager:
+    """A manager on its own backend object and prefix cache (another server's, or a restart):
+    a ``file://`` folder, or a URI."""
+    uri = where if isinstance(where, str) else f"file://{where}"
+    prefix = PrefixCache(open_backend(uri), model="gemma3-test", block_size=16)
     return SharedAPCManager(prefix, ImageDigests())
 
 
@@ -77,3 +80,23 @@ def test_another_manager_resumes_the_checkpoint_as_mlx_vlm_in_process(lm, tmp_pa
         assert reader.lookup_exact_cache(ids[: N + 1]) == (None, 0)
     assert "the record is corrupt" in caplog.text  # the file backend's line (quarantined)
     assert reader.prefix.stats()["misses"] == 1
+
+
+def test_a_dead_redis_is_a_miss_and_a_log_line_and_the_in_process_checkpoint_stays(
+    lm, tmp_path, caplog
+):
+    ids = [int(t) for t in mx.random.randint(1, 900, (N + 1,), key=mx.random.key(5)).tolist()]
+    redis = RedisServer()
+    try:
+        first = _manager(redis.url)
+        assert first.store_exact_cache(ids[:N], _prefill(lm, ids[:N]))
+        assert _manager(redis.url).lookup_exact_cache(ids)[1] == N  # shared while it lives
+        redis.stop()
+        other = _manager(redis.url)
+        with caplog.at_level(logging.WARNING, logger="mlxcache"):
+            assert other.lookup_exact_cache(ids) == (None, 0)
+            assert first.lookup_exact_cache(ids)[1] == N  # mlx-vlm's own entry answers
+            assert other.store_exact_cache(ids[:N], _prefill(lm, ids[:N]))  # kept in process
+        assert "redis" in caplog.text.lower()
+    finally:
+        redis.close()
