@@ -16,8 +16,9 @@ from vlm_server import VlmServer
 from mlxcache.tiny_models import build_tiny_vlm
 
 # what serves the repeat: Qwen3-VL's dense KV goes through mlxcache's prefix cache on the
-# store; Gemma 3's sliding-window layers put mlx-vlm's APC in checkpoint mode, whose exact
-# in-process checkpoints serve it (not shared yet: docs/integrations.md, "Limits")
+# store; Gemma 3's sliding-window layers put mlx-vlm's APC in checkpoint mode: its in-process
+# checkpoint serves the repeat, and the same checkpoint is written to the store for other
+# servers and restarts (tests/test_serve_vlm_checkpoints.py)
 SERVED_BY = {"qwen3_vl": "mlxcache", "gemma3": "mlx-vlm checkpoint"}
 
 
@@ -51,5 +52,9 @@ def test_repeat_is_cached_and_answers_the_stock_server_text(family, tmp_path):
     assert (text, n_warm) == (want, n) and 0 < cached < n
     if SERVED_BY[family] == "mlxcache":
         assert stats["mlxcache"]["hits"] == 1 and stats["mlxcache"]["tokens_reused"] == cached
+        # block mode: one lookup per request, its own (the checkpoint path stays mlx-vlm's)
+        assert stats["mlxcache"]["lookups"] == 2 and stats["exact_hits"] == 0
     else:
-        assert stats["exact_hits"] == 1 and stats["mlxcache"]["lookups"] == 0
+        # the cold request asked the store (a miss), the repeat found its checkpoint in process
+        assert stats["exact_hits"] == 1 and stats["mlxcache"]["hits"] == 0
+        assert stats["mlxcache"]["lookups"] == 1 and stats["mlxcache"]["stores"] >= 1

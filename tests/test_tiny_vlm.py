@@ -1,4 +1,4 @@
-"""``build_tiny_vlm``: a local Qwen2-VL, Qwen3-VL or Gemma 3 folder mlx-vlm loads with no
+"""``build_tiny_vlm``: a local Qwen2-VL, Qwen3-VL, Qwen3.5 or Gemma 3 folder mlx-vlm loads with no
 download, whose greedy answer depends on the prompt and on the image."""
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ FILES = [
     "tokenizer_config.json",
 ]
 # what mlx-vlm's processor for the family reads besides (processing_gemma3.py)
-EXTRA_FILES = {"qwen2_vl": [], "qwen3_vl": [], "gemma3": ["processor_config.json"]}
+EXTRA_FILES = {
+    "qwen2_vl": [],
+    "qwen3_vl": [],
+    "qwen3_5": [],
+    "gemma3": ["processor_config.json"],
+}
 
 
 @pytest.mark.parametrize("family", sorted(EXTRA_FILES))

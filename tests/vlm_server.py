@@ -38,17 +38,28 @@ def image(name: str) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def user_turn(images=("A",), text: str = QUESTION) -> dict:
+    """One user message: the images (data URIs), then the text."""
+    content: list = [{"type": "image_url", "image_url": {"url": image(n)}} for n in images]
+    content.append({"type": "text", "text": text})
+    return {"role": "user", "content": content}
+
+
 class VlmServer:
     """The server in a subprocess on a free loopback port; its log goes to a file."""
 
-    def __init__(self, model: str, cache: str | None, log_path, *extra: str, plain=False) -> None:
+    def __init__(
+        self, model: str, cache: str | None, log_path, *extra: str, plain=False, apc=False
+    ) -> None:
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env.pop("APC_ENABLED", None)
-        if plain:  # mlx-vlm's own server, its cache off
+        if plain and apc:  # mlx-vlm's own APC, in its process only (no disk tier)
+            env.update(APC_ENABLED="1", APC_DISK_ENABLED="0")
+        if plain:  # mlx-vlm's own server, its cache off unless ``apc``
             args = [sys.executable, "-m", "mlx_vlm.server"]
         else:
             args = [sys.executable, "-m", "mlxcache", "serve", "--engine", "mlx-vlm"]
@@ -70,11 +81,14 @@ class VlmServer:
     ):
         """(text, prompt_tokens, cached_tokens) of one greedy chat completion; ``salt`` goes in
         the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
-        content = [{"type": "image_url", "image_url": {"url": image(n)}} for n in images]
-        content.append({"type": "text", "text": text})
+        messages = [user_turn(images, text)]
+        return self.send(messages, max_tokens, salt=salt, header=header)
+
+    def send(self, messages: list, max_tokens: int = 8, salt=None, header=None):
+        """(text, prompt_tokens, cached_tokens) of one greedy chat completion of ``messages``."""
         body = {
             "model": self.model,
-            "messages": [{"role": "user", "content": content}],
+            "messages": messages,
             "max_tokens": max_tokens,
             "temperature": 0.0,
         }

@@ -44,11 +44,12 @@ def build_tiny_vlm(
 ) -> Path:
     """Write a random-weight VLM folder of ``family`` at ``path`` and return its path.
 
-    Families: ``qwen2_vl`` (2 layers, width 128), ``qwen3_vl`` and ``gemma3`` (the sizes of the
-    family matrix; ``vlm_families.py``). Files: ``config.json``, ``model.safetensors`` (from
-    ``mx.random.seed(seed)``), a byte-level BPE ``tokenizer.json`` trained on a built-in text
-    with the family's special tokens, ``tokenizer_config.json``, ``chat_template.json`` and the
-    processor configs mlx-vlm reads for the family. The same arguments give the same bytes.
+    Families: ``qwen2_vl`` (2 layers, width 128), ``qwen3_vl``, ``qwen3_5`` (gated-delta hybrid)
+    and ``gemma3`` (sliding window; the sizes of the family matrix; ``vlm_families.py``).
+    Files: ``config.json``, ``model.safetensors`` (from ``mx.random.seed(seed)``), a byte-level
+    BPE ``tokenizer.json`` trained on a built-in text with the family's special tokens,
+    ``tokenizer_config.json``, ``chat_template.json`` and the processor configs mlx-vlm reads
+    for the family. The same arguments give the same bytes.
     ``text`` overrides text sizes (``hidden_size``, ...); see ``scaled_weights`` for why the
     greedy answer depends on the prompt and on the image.
     """

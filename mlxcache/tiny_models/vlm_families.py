@@ -7,6 +7,7 @@ processor loader reads for it (``mlx_vlm/models/<family>/processing_*.py``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,54 @@ def qwen3_vl_config(ids: Ids, vocab_size: int, text: dict[str, Any]) -> dict[str
     }
 
 
+# Qwen3.5's text sizes in the family matrix (``tests/families/specs_qwen.py`` adds its vocabulary)
+QWEN3_5_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "linear_num_value_heads": 2,
+    "linear_num_key_heads": 2,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_conv_kernel_dim": 3,
+    "num_hidden_layers": 2,
+    "full_attention_interval": 2,  # a gated-delta layer, then a full-attention one
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "rms_norm_eps": 1e-5,
+    "rope_parameters": {
+        "type": "default",
+        "mrope_section": [4, 2, 2],
+        "rope_theta": 100000,
+        "partial_rotary_factor": 0.5,
+    },
+}
+
+
+def qwen3_5_config(ids: Ids, vocab_size: int, text: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 as in the family matrix (from mlx-vlm's
+    ``test_qwen3_5_input_embeddings_owns_mrope_kwargs``): a gated-delta layer, then a
+    full-attention one (a hybrid: mlx-vlm's APC runs in checkpoint mode); Qwen3-VL's vision
+    tower without deepstack."""
+    cfg = qwen3_vl_config(ids, vocab_size, {})
+    cfg["model_type"] = "qwen3_5"
+    cfg["architectures"] = ["Qwen3_5ForConditionalGeneration"]
+    cfg["text_config"] = {
+        "model_type": "qwen3_5",
+        **copy.deepcopy(QWEN3_5_TEXT),
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        **text,
+    }
+    cfg["vision_config"] = {
+        **cfg["vision_config"],
+        "model_type": "qwen3_5",
+        "deepstack_visual_indexes": [],
+    }
+    return cfg
+
+
 _GEMMA_SPECIAL_TOKENS = (
     "<pad>",
     "<eos>",
@@ -254,6 +303,7 @@ def _qwen_family(kind: str, patch: int, config: Any) -> VlmFamily:
 
 QWEN2_VL = _qwen_family("Qwen2VL", 14, qwen2_vl_config)
 QWEN3_VL = _qwen_family("Qwen3VL", 16, qwen3_vl_config)
+QWEN3_5 = _qwen_family("Qwen3VL", 16, qwen3_5_config)
 GEMMA3 = VlmFamily(
     _GEMMA_SPECIAL_TOKENS,
     _GEMMA_CHAT_TEMPLATE,
@@ -299,4 +349,9 @@ GEMMA3 = VlmFamily(
     },
     tied_head=True,
 )
-FAMILIES: dict[str, VlmFamily] = {"qwen2_vl": QWEN2_VL, "qwen3_vl": QWEN3_VL, "gemma3": GEMMA3}
+FAMILIES: dict[str, VlmFamily] = {
+    "qwen2_vl": QWEN2_VL,
+    "qwen3_vl": QWEN3_VL,
+    "qwen3_5": QWEN3_5,
+    "gemma3": GEMMA3,
+}

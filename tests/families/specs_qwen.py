@@ -7,11 +7,13 @@ Dimensions follow mlx-vlm 0.7.10's own tests (``mlx_vlm/tests/test_models.py``),
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
 
 from families.harness import Spec
+from mlxcache.tiny_models.vlm_families import QWEN3_5_TEXT
 
 VOCAB = 1000
 IMAGE, VIDEO, VISION_START, VISION_END = 999, 998, 997, 996
@@ -95,27 +97,9 @@ QWEN3_VL_MOE = {
 }
 
 _QWEN3_5_TEXT = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "linear_num_value_heads": 2,
-    "linear_num_key_heads": 2,
-    "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "linear_conv_kernel_dim": 3,
-    "num_hidden_layers": 2,
-    "full_attention_interval": 2,  # a gated-delta layer, then a full-attention one
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "rms_norm_eps": 1e-5,
+    **copy.deepcopy(QWEN3_5_TEXT),
     "vocab_size": VOCAB,
     "max_position_embeddings": 1000,
-    "rope_parameters": {
-        "type": "default",
-        "mrope_section": [4, 2, 2],
-        "rope_theta": 100000,
-        "partial_rotary_factor": 0.5,
-    },
 }
 _QWEN3_5_VISION = {**_QWEN3_VISION, "deepstack_visual_indexes": []}  # none in Qwen3.5
 

@@ -7,12 +7,15 @@ time, and the generator asks the manager three things of a block-mode (dense KV)
 a ready prompt cache) and ``store_kv_blocks`` (after prefill). ``SharedAPCManager`` answers the
 first with nothing and the other two from a ``PrefixCache`` on any mlxcache backend, so a
 repeated image prompt is reused in the process, by a second live server and after a restart.
+Of a checkpoint-mode model (sliding-window, hybrid) the generator asks ``lookup_exact_cache``
+and ``store_exact_cache`` (its checkpoints: the prompt less its guard token, and stride
+lengths): both keep mlx-vlm's in-process entries and go to the same ``PrefixCache`` too
+(``checkpoints.py``), so those models are shared and kept over a restart as well.
 
 Why not mlx-vlm's memory pool: ``apc_lookup_plan`` drops a pool hit whose prefix holds image
 tokens, and its disk lookup gives way to the pool whenever the pool holds the first block; so
 as shipped an image prompt repeated in one process reuses nothing. The
-``PrefixCache`` hot tier takes the pool's place. Checkpoint-mode models (sliding-window,
-hybrid) keep mlx-vlm's own in-process checkpoints (``lookup_exact_cache``), not shared.
+``PrefixCache`` hot tier takes the pool's place.
 
 Images: mlx-vlm salts every block hash with a 64-bit hash of the request's ``pixel_values``.
 ``hash_image_payload`` is wrapped to remember, for that value, mlxcache's full content digest
@@ -32,6 +35,7 @@ from typing import Any
 from mlx_vlm import apc as _apc
 
 from mlxcache import hashing
+from mlxcache.integrations.mlx_vlm import checkpoints
 from mlxcache.integrations.serve_errors import ServeErrors
 from mlxcache.prefix import PrefixCache
 
@@ -89,6 +93,9 @@ class SharedAPCManager(_apc.APCManager):
         self.prefix = prefix
         self.digests = digests
         self.errors = errors if errors is not None else ServeErrors("mlx-vlm")
+        # False once the server's self-check found block mode: its exact lookups stay mlx-vlm's
+        # (the block path above reads the store); unknown (True) asks the store
+        self.checkpoint_mode = True
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_hash: int = 0):
         """The block pool is off: the prefix cache (and its hot tier) answers instead."""
@@ -165,6 +172,54 @@ class SharedAPCManager(_apc.APCManager):
             self.stats.stores += 1
             self.stats.stored_tokens += written
         return []
+
+    def lookup_exact_cache(
+        self,
+        token_ids: Sequence[int],
+        extra_hash: int = 0,
+        max_prefix_tokens: int | None = None,
+        min_prefix_tokens: int = 0,
+    ) -> tuple[list[Any] | None, int]:
+        """mlx-vlm's in-process checkpoint, else a longer one the shared store holds (another
+        server's, or this one's before a restart): the state at exactly a stored length."""
+        cache, n = super().lookup_exact_cache(
+            token_ids, extra_hash, max_prefix_tokens, min_prefix_tokens
+        )
+        if not self.checkpoint_mode:
+            return cache, n
+        shared = checkpoints.lookup(
+            self.prefix,
+            token_ids,
+            request_images(self.digests, extra_hash),
+            max_prefix_tokens=max_prefix_tokens,
+            above=max(min_prefix_tokens, n),
+            errors=self.errors,
+        )
+        if shared is None:
+            return cache, n
+        with self.lock:  # an in-process hit it replaces was counted already
+            self.stats.hits += 0 if n else 1
+            self.stats.exact_hits += 0 if n else 1
+            self.stats.disk_hits += 1
+            self.stats.matched_tokens += shared[1] - n
+        return shared
+
+    def store_exact_cache(
+        self, token_ids: Sequence[int], prompt_cache: Sequence[Any], *, extra_hash: int = 0
+    ) -> bool:
+        """mlx-vlm's in-process checkpoint, and the same state in the shared prefix cache."""
+        kept = super().store_exact_cache(token_ids, prompt_cache, extra_hash=extra_hash)
+        written = checkpoints.store(
+            self.prefix,
+            token_ids,
+            prompt_cache,
+            request_images(self.digests, extra_hash),
+            min_tokens=self.exact_cache_min_tokens,
+            errors=self.errors,
+        )
+        with self.lock:
+            self.stats.stored_tokens += written
+        return kept or written > 0
 
     def stats_snapshot(self) -> dict:
         """mlx-vlm's APC stats (``/v1/cache/stats``) plus the prefix cache's under ``mlxcache``."""
@@ -243,16 +298,25 @@ def install(
 
     done.replace(_apc, "hash_image_payload", hash_image_payload)
     done.replace(_apc, "from_env", from_env)
-    done.replace(_apc, "self_check_model_apc", _self_check(_apc.self_check_model_apc))
+
+    def on_mode(mode: str | None) -> None:  # the server checks the model its newest manager serves
+        if done.managers:
+            done.managers[-1].checkpoint_mode = mode != "block"
+
+    done.replace(_apc, "self_check_model_apc", _self_check(_apc.self_check_model_apc, on_mode))
     return done
 
 
-def _self_check(original: Callable[..., Any]) -> Callable[..., Any]:
+def _self_check(
+    original: Callable[..., Any], on_mode: Callable[[str | None], None]
+) -> Callable[..., Any]:
     """mlx-vlm's APC self-check without its false alarm, and one line saying what is cached.
 
     mlx-vlm's check fails every model whose language model has no ``make_cache``, yet its
     generator then builds one default cache per layer (``models.cache.make_prompt_cache``) and
-    its APC runs in block mode (``model_apc_mode``): that layout is checked instead.
+    its APC runs in block mode (``model_apc_mode``): that layout is checked instead. The
+    server runs it right after loading the model of its newest manager: ``on_mode`` gets the
+    mode found.
     """
 
     def self_check_model_apc(model: Any, *, kv_bits: Any = None, log: bool = True) -> Any:
@@ -264,6 +328,7 @@ def _self_check(original: Callable[..., Any]) -> Callable[..., Any]:
 
             caches = make_prompt_cache(language_model)
             result = _apc.validate_prompt_cache_layout(caches, apc_mode="block")
+        on_mode(getattr(result, "apc_mode", None))
         if log and result.ok:
             kinds = ",".join(sorted(set(result.layer_types))) or "-"
             logging.getLogger("mlxcache").info(

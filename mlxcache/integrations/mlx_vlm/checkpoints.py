@@ -1,0 +1,88 @@
+"""mlx-vlm's checkpoint-mode APC (sliding-window and hybrid models) on the shared PrefixCache.
+
+The seam, read in mlx-vlm 0.7.10's wheel: a model whose cache cannot be cut into blocks
+(``RotatingKVCache``, ``ArraysCache``, ...: ``model_apc_mode`` is ``"exact"``) runs APC in
+checkpoint mode. Its generator stores the whole prompt cache at a few lengths with
+``APCManager.store_exact_cache`` (``APCCoordinator.checkpoint_lengths``: the prompt less its
+guard token, and ``checkpoint_interval_tokens`` strides; the full prompt when none was stored)
+and asks ``lookup_exact_cache`` for a prompt, which an entry serves only at exactly its stored
+length. ``SharedAPCManager`` keeps both and adds this module: every such state also goes to the
+manager's ``PrefixCache`` (records under the model identity, salt and request tenant, as block
+mode's), and a lookup asks it for a stored length longer than the in-process answer, with
+``require_extras`` so that only a stored length answers: the state at exactly that length, as
+mlx-vlm's own checkpoint holds it. A corrupt record is a miss and a log line (the prefix cache's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_vlm.apc_adapters import reserve_checkpoint_capacity
+
+from mlxcache.integrations.serve_errors import ServeErrors
+from mlxcache.prefix import PrefixCache
+
+log = logging.getLogger("mlxcache")
+
+
+def lookup(
+    prefix: PrefixCache,
+    token_ids: Sequence[int],
+    images: list[bytes],
+    *,
+    max_prefix_tokens: int | None,
+    above: int,
+    errors: ServeErrors,
+) -> tuple[list[Any], int] | None:
+    """The longest stored checkpoint of ``token_ids`` longer than ``above``, or None.
+
+    At most the prompt less one token (its logits come from a prefill) and ``max_prefix_tokens``.
+    The restored caches get the capacity mlx-vlm's own restore reserves for the whole prompt
+    (``reserve_checkpoint_capacity``), so the suffix prefill grows them as it does there.
+    """
+    limit = len(token_ids) - 1
+    if max_prefix_tokens:
+        limit = min(limit, int(max_prefix_tokens))
+    if limit <= max(0, above):
+        return None
+    try:
+        hit = prefix.lookup([int(t) for t in token_ids[:limit]], images=images, require_extras=True)
+    except Exception as exc:  # a dead backend: the in-process answer, or an uncached request
+        log.warning("mlxcache APC: checkpoint lookup failed: %s", exc)
+        errors.add("lookup")
+        return None
+    if hit is None or hit.prompt_cache is None or hit.num_tokens <= above:
+        return None
+    targets: list[mx.array] = []
+    for entry in hit.prompt_cache:
+        reserve_checkpoint_capacity(entry, min_capacity_tokens=len(token_ids), eval_targets=targets)
+    if targets:
+        mx.eval(targets)
+    return hit.prompt_cache, hit.num_tokens
+
+
+def store(
+    prefix: PrefixCache,
+    token_ids: Sequence[int],
+    prompt_cache: Sequence[Any],
+    images: list[bytes],
+    *,
+    min_tokens: int,
+    errors: ServeErrors,
+) -> int:
+    """Store the state of exactly ``token_ids``; returns the new tokens the backend kept.
+
+    Written before it returns (the generator's thread mutates the cache afterwards), so a
+    server killed once it has answered has lost no checkpoint it made.
+    """
+    if len(token_ids) < min_tokens or not prompt_cache:
+        return 0
+    try:
+        return prefix.store([int(t) for t in token_ids], list(prompt_cache), images=images)
+    except Exception as exc:  # a store failure never fails the request
+        log.warning("mlxcache APC: checkpoint store failed: %s", exc)
+        errors.add("store")
+        return 0
