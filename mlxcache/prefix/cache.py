@@ -28,10 +28,11 @@ from mlxcache.prefix.hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
 from mlxcache.prefix.plan import Match, Plan, as_tokens, check_positions
 from mlxcache.prefix.restore import fetch as fetch_records
 from mlxcache.prefix.restore import restore
+from mlxcache.prefix.writes import plan_writes
 from mlxcache.protocol import PinnableBackend
 from mlxcache.records.record import Record
 from mlxcache.serializers import kv_quant
-from mlxcache.serializers.prompt_cache import dump_prompt_cache, load_prompt_cache
+from mlxcache.serializers.prompt_cache import load_prompt_cache
 from mlxcache.uri import open_backend
 
 KEY_ROOT = "mlxcache/prefix/v1"
@@ -174,59 +175,21 @@ class PrefixCache:
         if vision_embeddings is not None and not images:
             raise ValueError("vision_embeddings are keyed by their images: pass images=")
         plan = self._plan(tokens, images, image_positions)
-        n, bs = len(tokens), self.block_size
+        n = len(tokens)
         layers = list(prompt_cache) if n else []
         if n and not layers:
             raise ValueError("prompt_cache is empty: store the cache objects of the prompt")
         if n:
             pr.check_lengths(layers, n)
-        lay = pr.layout(layers)
-        n_full, r = divmod(n, bs)
-        if mid_prefill:
-            r, extras, vision_embeddings = 0, None, None
-        # (key, block index, tokens in it) for blocks; then the tail; then the vision entry
-        blocks = [(self._key("b", h), i, bs) for i, h in enumerate(plan.full(n_full))]
-        if r:
-            blocks.append((self._key("b", plan.partial(n_full, r)), n_full, r))
-        keys = [k for k, _, _ in blocks]
-        tail_key = (
-            self._key("t", plan.partial(n_full, r) if r else plan.full(n_full)[-1])
-            if n_full + r and not (mid_prefill and (n % bs or not pr.has_checkpoint(lay)))
-            else None
-        )
-        if tail_key:
-            keys.append(tail_key)
         vkey = self._vision_key(plan) if vision_embeddings is not None else None
-        if vkey:
-            keys.append(vkey)
+        writes = plan_writes(
+            plan, layers, self._key, self.backend.contains_many, quant=self.kv_quant,
+            vision_key=vkey, extras=extras, vision_embeddings=vision_embeddings,
+            mid_prefill=mid_prefill,
+        )  # fmt: skip
+        todo, keys, sibling = writes.todo, writes.keys, writes.sibling
         if not keys:
             return 0
-        # the partial block, in its parent's sibling index: a one-trip lookup finds it there
-        sibling = None
-        if r:
-            members = [self._key("t", plan.partial(n_full, r)), blocks[-1][0]]
-            sibling = (self._key("s", plan.parent(n_full)), plan.block_tokens(n_full, r), members)
-        exists = self.backend.contains_many(keys)
-        todo: list[tuple[str, Record, int]] = []  # (key, record, tokens) to write, in order
-        views = pr.window_views(layers, lay) if n else {}  # what window layers still hold
-        for (key, i, m), there in zip(blocks, exists, strict=False):
-            if not there:
-                rec = pr.block_record(
-                    layers, lay, i * bs, plan.block_tokens(i, m), m, self.kv_quant, views
-                )
-                todo.append((key, rec, m))
-        # build what can fail (unsupported checkpoint classes, bad extras) before any put
-        tail = vision = None
-        if tail_key and not exists[len(blocks)]:
-            last = n_full if r else n_full - 1
-            whole = pr.window_gaps([rec for _, rec, _ in todo], lay, n)  # windows it must hold
-            tokens_last = plan.block_tokens(last, r or None)
-            tail = pr.tail_record(layers, lay, n, tokens_last, extras, whole)
-        if vkey and not exists[-1]:
-            vision = dump_prompt_cache(vision_embeddings, meta={"kind": "vision"})
-        for end_key, end in ((tail_key, tail), (vkey, vision)):  # the tail last: its blocks exist
-            if end is not None:  # built only under a key
-                todo.append((cast(str, end_key), end, 0))
         if self._hot is not None and n and self.kv_quant is None and not mid_prefill:
             # quantized: only backend hits (dequantized) go hot: a prefix decodes the same
             self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
