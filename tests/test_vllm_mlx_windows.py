@@ -9,7 +9,10 @@ own splits on every hit, so each answer must be vllm-mlx's own server's, caches 
 
 from __future__ import annotations
 
+import json
+import subprocess
 from functools import partial
+from pathlib import Path
 
 import pytest
 from helpers import started_together
@@ -58,3 +61,32 @@ def test_a_shared_document_hits_on_a_second_server(family, tmp_path):
     assert again == (*want[0][:2], want[0][1] - 1)
     assert salted == [(*want[1][:2], hit), (*want[1][:2], 0)]  # each salt's own chunks
     assert stats["lookup_errors"] == stats["store_errors"] == 0
+
+
+def test_prompts_prefilled_together_store_no_chunks(tmp_path):
+    """vllm-mlx 0.6's batched prefill of a hybrid model (two prompts in one prompt batch)
+    answers differently from one prompt's; its chunks are not stored, so a prompt that later
+    runs alone never resumes from them. Alone, the same prompts store and hit (vllm-mlx's own
+    ``Scheduler``, requests added before its first step: deterministically one batch)."""
+    folder = str(build_folder("qwen3_5", tmp_path / "qwen3_5", config=ARCH["qwen3_5"]))
+    other = [{"role": "user", "content": ASK[0][0]["content"] * 2}]
+    p0, p1, p2 = _prompts(folder, *ASK, other)
+    steps = [[[p0], False], [[p1], False], [[p0, p2], True], [[p1], True], [[p0], True],
+             [[p1], True]]  # fmt: skip
+    run = subprocess.run(
+        [require_vllm_python(), str(Path(__file__).parent / "vllm_scheduler.py"), folder,
+         f"file://{tmp_path}/cache", str(BLOCK)],
+        input="".join(json.dumps(s) + "\n" for s in steps), capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(x) for x in run.stdout.splitlines()]
+    (want0,), (want1,), batched, (alone,), (again,), (repeat,) = lines
+    assert want0[0] == want1[0] == 0  # vllm-mlx's own answers, caches off
+    assert [cached for cached, _ in batched] == [0, 0]
+    assert batched[0][1] != want0[1]  # vllm-mlx 0.6: p0 prefilled with p2 answers otherwise
+    hit = _common(p0, p1) // _stride(folder) * _stride(folder)
+    assert hit >= BLOCK
+    assert alone == [0, want1[1]]  # nothing of the batch's document (its chunks: a hit)
+    assert again == [hit, want0[1]]  # p1's chunks, stored when it ran alone
+    assert repeat == [len(p1) - 1, want1[1]]  # p1 again: all but its last token

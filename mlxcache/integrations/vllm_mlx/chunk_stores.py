@@ -15,7 +15,10 @@ the request's cache (mlx-lm's own ``extract_cache``) goes to the request's share
 - the chunk that ends one token short of the prompt (vllm-mlx runs the last token alone): the
   whole prefix, as vllm-mlx's in-memory cache cannot trim these layers back to it.
 
-Models with neither layer kind keep vllm-mlx's own stores. The stores read the cache and never
+Only a request whose chunks all ran alone in the prompt batch is stored: vllm-mlx 0.6 (mlx-lm
+0.31) prefills prompts added together in one padded batch, and a hybrid model's state from that
+batch answers otherwise than the prompt run alone (``test_vllm_mlx_windows.py``). Models with
+neither layer kind keep vllm-mlx's own stores. The stores read the cache and never
 touch it: vllm-mlx computes exactly what it computes without them.
 """
 
@@ -45,12 +48,19 @@ def store_due(layers: Sequence[Any], num_tokens: int, block_size: int, step: int
     return every is not None and num_tokens % every == 0
 
 
-def store_chunks(scheduler: Any, generator: Any, prompt_responses: Sequence[Any]) -> None:
-    """Store the cache of each request whose prefill chunk has just run; a failure is a log
-    line, never an error in the scheduler's step."""
+def store_chunks(
+    scheduler: Any, generator: Any, prompt_responses: Sequence[Any], batched: set[int]
+) -> None:
+    """Store the cache of each request whose prefill chunk has just run alone, and has always
+    (``batched``: the uids of requests whose chunks ran with another's, updated here); a
+    failure is a log line, never an error in the scheduler's step."""
     cache = getattr(scheduler, "memory_aware_cache", None)
     tier_of = getattr(cache, "_tier", None)
+    batched.difference_update(r.uid for r in prompt_responses if r.end_of_prompt)
     chunks = {r.uid: r for r in prompt_responses if not r.end_of_prompt}
+    if len(chunks) > 1:  # prefilled together: vllm-mlx's batch differs from one request's run
+        batched.update(chunks)
+    chunks = {uid: r for uid, r in chunks.items() if uid not in batched}
     if tier_of is None or not chunks:
         return
     try:
@@ -100,12 +110,12 @@ def install() -> None:
         generator = original(self, sampling_params)
         if not _stored_mid_prefill(self.model):
             return generator
-        step = generator.next
+        step, batched = generator.next, set[int]()
 
         def next_storing() -> Any:
             result = step()
             if isinstance(result, tuple):  # mlx-lm >= 0.31: (prompt, generation) responses
-                store_chunks(self, generator, result[0])
+                store_chunks(self, generator, result[0], batched)
             return result
 
         generator.next = next_storing
