@@ -76,12 +76,13 @@ def _store_chunk(
 ) -> None:
     """Store one request's cache after its chunk ``chunk`` (mlx-lm's prompt response)."""
     request = scheduler.requests.get(scheduler.uid_to_request_id.get(chunk.uid))
-    prompt = list(getattr(request, "prompt_token_ids", None) or [])
-    n = held_tokens(layers)
-    if request is None or n is None or not 0 < n < len(prompt):
+    if request is None:
         return
-    if n != (request.cached_tokens or 0) + chunk.progress[0]:
-        return  # not where the scheduler's own count says: never stored under these tokens
+    prompt = list(request.prompt_token_ids or [])
+    n = (request.cached_tokens or 0) + chunk.progress[0]  # restored + prefilled so far
+    held = held_tokens(layers)  # None: state layers only (no offset to check)
+    if not 0 < n < len(prompt) or held not in (None, n):
+        return  # not what the scheduler's own count says: never stored under these tokens
     tier = tier_of(getattr(request, "mlxcache_salt", ""))
     if chunk.end_of_segment:  # the prompt minus its last token: stored whole
         tier.store(prompt[:n], layers)
