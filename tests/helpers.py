@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 
@@ -119,3 +122,20 @@ def wait_until_healthy(server, what: str, timeout: float, log_tail: int | None =
             log = server.log()
             raise RuntimeError(f"{what} did not start:\n{log[-log_tail:] if log_tail else log}")
         time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def started_together(make: list) -> Iterator[list]:
+    """Servers started at once (one thread each, ``make``: their constructors), killed at the
+    end; a server that failed to start raises after the others are killed."""
+    with ThreadPoolExecutor(len(make)) as pool:
+        starting = [pool.submit(f) for f in make]
+    servers = [f.result() for f in starting if f.exception() is None]
+    try:
+        failed = [f.exception() for f in starting if f.exception() is not None]
+        if failed:
+            raise failed[0]
+        yield servers
+    finally:
+        for server in servers:
+            server.kill()

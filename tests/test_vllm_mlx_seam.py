@@ -69,3 +69,26 @@ def test_system_prompt_snapshots_are_each_salts_own():
     with salts.serving("bob"):
         assert "h" not in snapshots and snapshots.pop("h", None) is None
     assert snapshots["h"] == "plain" and len(snapshots) == 2
+
+
+def test_prefill_chunks_store_window_layers_always_and_state_layers_on_the_stride():
+    """``chunk_stores.store_due``: a window layer's blocks after every chunk, a state layer's
+    checkpoint only at chunk ends on the stride (a multiple of block and step), plain KV never
+    (vllm-mlx's own store at the request's end covers it)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
+
+    from mlxcache.integrations.vllm_mlx.chunk_stores import store_due
+    from mlxcache.prefix import checkpoints
+
+    kv, window, state = KVCache(), RotatingKVCache(max_size=4), ArraysCache(2)
+    for c in (kv, window):
+        c.update_and_fetch(mx.ones((1, 2, 8, 16)), mx.ones((1, 2, 8, 16)))
+    state[0], state[1] = mx.ones((1, 3, 64)), mx.ones((1, 4, 32, 32))
+    assert all(store_due([kv, window], n, 16, 16) for n in (16, 20, 33))
+    assert not any(store_due([kv], n, 16, 16) for n in (16, 32, 48))
+    for step in (16, 24):
+        every = checkpoints.stride([kv, state], 16, checkpoints.DEFAULT_SHARE, step)
+        assert every is not None and every % 16 == 0 and every % step == 0
+        due = [n for n in range(1, 3 * every + 1) if store_due([kv, state], n, 16, step)]
+        assert due == [every, 2 * every, 3 * every]

@@ -13,6 +13,9 @@ before a server or engine is built (``vllm_mlx.cli.main()`` builds them after):
   ``PrefixCache`` and its ``MLLMPrefixCacheManager`` is mlxcache's (``simple_vlm.py``);
 - ``vllm_mlx.engine.simple.SimpleEngine``'s text requests (vllm-mlx's default mode) get its
   prompt cache, as mlxcache's ``SharedPromptCache`` on the backend (``simple_text.py``);
+- ``vllm_mlx.scheduler.Scheduler._create_batch_generator``: on a model with window or state
+  layers, the generator's cache goes to the shared tier after each prefill chunk
+  (``chunk_stores.py``);
 - responses report ``usage.prompt_tokens_details.cached_tokens`` (``usage.py``) and, on the
   Anthropic Messages API, ``cache_read_input_tokens`` (``anthropic_usage.py``).
 
@@ -28,7 +31,13 @@ from importlib import metadata
 from typing import Any
 
 from mlxcache.backends.base import CacheBackend
-from mlxcache.integrations.vllm_mlx import anthropic_usage, simple_text, simple_vlm, usage
+from mlxcache.integrations.vllm_mlx import (
+    anthropic_usage,
+    chunk_stores,
+    simple_text,
+    simple_vlm,
+    usage,
+)
 from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, shared_prefix_cache_class
 from mlxcache.uri import open_backend
 
@@ -117,6 +126,7 @@ def install(
         setattr(module, name, make(original))
     usage.install()
     anthropic_usage.install()
+    chunk_stores.install()
     simple_vlm.install(config)
     simple_text.install(config)
     _state.update(saved=saved, backend=opened, owns=owns, config=config)
@@ -132,6 +142,7 @@ def uninstall() -> None:
         setattr(module, name, original)
     usage.uninstall()
     anthropic_usage.uninstall()
+    chunk_stores.uninstall()
     simple_vlm.uninstall()
     simple_text.uninstall()
     if _state["owns"]:

@@ -32,7 +32,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -164,11 +164,12 @@ class SharedTier:
         one token longer than their KV) and, when they extend a prompt looked up recently,
         a copy at that prompt's length minus one: the same prompt in another process then
         restores all but its last token, not only its whole blocks."""
-        try:
+
+        def write() -> int | None:
             n = held_tokens(layers)
             n = len(tokens) if n is None else n
             if n <= 0 or n > len(tokens):
-                return
+                return None
             head = list(tokens[:n])
             written = self.prefix.store(head, list(layers))
             p = self._prompt_of(head)
@@ -176,7 +177,23 @@ class SharedTier:
                 part = _trimmed(list(layers), n - (p - 1))
                 if part is not None:
                     written += self.prefix.store(head[: p - 1], part)
-            self._count(stores=1, tokens_stored=written)
+            return written
+
+        self._guarded(write)
+
+    def store_prefill(self, tokens: Sequence[int], layers: Sequence[Any]) -> None:
+        """Store a prompt's cache after one of its prefill chunks (``PrefixCache``'s
+        ``mid_prefill``): its whole blocks, and the state layers' checkpoint at a block-aligned
+        length; the store at the prompt's end writes the rest."""
+        self._guarded(lambda: self.prefix.store(list(tokens), list(layers), mid_prefill=True))
+
+    def _guarded(self, write: Callable[[], int | None]) -> None:
+        """Run a store, counted (None: nothing to store); a failure is a log line, never an
+        error in the server."""
+        try:
+            written = write()
+            if written is not None:
+                self._count(stores=1, tokens_stored=written)
         except Exception as e:  # never into the server: the in-process LRU still has it
             log.warning("vllm-mlx shared tier: store failed, kept in memory only: %s", e)
             self._count(store_errors=1)

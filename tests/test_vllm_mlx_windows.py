@@ -1,0 +1,92 @@
+"""``mlxcache serve --engine vllm-mlx --continuous-batching`` on sliding-window and hybrid
+models: a document shared inside the user turn is reused by a second server (issue 26).
+
+vllm-mlx stores a request's cache when it finishes, after its window layers dropped the
+document's blocks and with its state layers at that one length; mlxcache also stores after each
+of the scheduler's prefill chunks (``chunk_stores.py``). Prefill steps of one block keep vllm-mlx's
+own splits on every hit, so each answer must be vllm-mlx's own server's, caches off.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from functools import partial
+from pathlib import Path
+
+import pytest
+from helpers import started_together
+from test_integration_mlx_lm import build_folder
+from test_serve_windows import ARCH, ASK, BLOCK, _common, _prompts, _stride
+from vllm_servers import Server, require_vllm_python, server_args
+
+OPTIONS = ("--continuous-batching", "--prefill-step-size", str(BLOCK))
+
+
+def _start(python: str, folder: str, cache: str | None, log, home) -> Server:
+    args = server_args(python, folder, cache, cache is None)
+    if cache is not None:  # our blocks: BLOCK tokens, the prefill step
+        i = args.index("--cache-block-size")
+        args[i + 1] = str(BLOCK)
+    return Server([*args, *OPTIONS], log, home)
+
+
+@pytest.mark.parametrize("family", sorted(ARCH))
+def test_a_shared_document_hits_on_a_second_server(family, tmp_path):
+    python = require_vllm_python()
+    folder = str(build_folder(family, tmp_path / family, config=ARCH[family]))
+    cache = f"file://{tmp_path}/cache"
+    make = [
+        partial(_start, python, folder, c, tmp_path / f"{name}.log", tmp_path / name)
+        for name, c in (("stock", None), ("first", cache), ("second", cache))
+    ]
+    with started_together(make) as (stock, first, second):
+        want = [stock.chat(m, 6) for m in ASK]
+        cold = [first.chat(ASK[0], 6), first.chat(ASK[0], 6, salt="alice")]
+        warm = second.chat(ASK[1], 6)  # another process: the first one's chunks
+        again = second.chat(ASK[0], 6)  # the first prompt again: all but its last token
+        salted = [second.chat(ASK[1], 6, salt=s) for s in ("alice", "bob")]
+        stats = second.get("/v1/cache/stats")["engine_cache"]["mlxcache"]
+    assert all(w[2] is None for w in want)  # vllm-mlx as shipped, caches off
+    ids = _prompts(folder, *ASK)
+    assert [w[1] for w in want] == [len(p) for p in ids]  # the same chat template
+    hit = _common(*ids) // BLOCK * BLOCK
+    assert hit >= 3 * BLOCK  # the document spans blocks past the window
+    if family == "qwen3_5":  # state checkpoints: at chunk ends on the stride only
+        every = _stride(folder)
+        hit = hit // every * every
+        assert hit >= every
+    assert cold == [(*want[0][:2], 0)] * 2
+    assert warm == (*want[1][:2], hit)  # vllm-mlx's own answer, resumed on its own splits
+    assert again == (*want[0][:2], want[0][1] - 1)
+    assert salted == [(*want[1][:2], hit), (*want[1][:2], 0)]  # each salt's own chunks
+    assert stats["lookup_errors"] == stats["store_errors"] == 0
+
+
+def test_prompts_prefilled_together_store_no_chunks(tmp_path):
+    """vllm-mlx 0.6's batched prefill of a hybrid model (two prompts in one prompt batch)
+    answers differently from one prompt's; its chunks are not stored, so a prompt that later
+    runs alone never resumes from them. Alone, the same prompts store and hit (vllm-mlx's own
+    ``Scheduler``, requests added before its first step: deterministically one batch)."""
+    folder = str(build_folder("qwen3_5", tmp_path / "qwen3_5", config=ARCH["qwen3_5"]))
+    other = [{"role": "user", "content": ASK[0][0]["content"] * 2}]
+    p0, p1, p2 = _prompts(folder, *ASK, other)
+    steps = [[[p0], False], [[p1], False], [[p0, p2], True], [[p1], True], [[p0], True],
+             [[p1], True]]  # fmt: skip
+    run = subprocess.run(
+        [require_vllm_python(), str(Path(__file__).parent / "vllm_scheduler.py"), folder,
+         f"file://{tmp_path}/cache", str(BLOCK)],
+        input="".join(json.dumps(s) + "\n" for s in steps), capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [json.loads(x) for x in run.stdout.splitlines()]
+    (want0,), (want1,), batched, (alone,), (again,), (repeat,) = lines
+    assert want0[0] == want1[0] == 0  # vllm-mlx's own answers, caches off
+    assert [cached for cached, _ in batched] == [0, 0]
+    assert batched[0][1] != want0[1]  # vllm-mlx 0.6: p0 prefilled with p2 answers otherwise
+    hit = _common(p0, p1) // _stride(folder) * _stride(folder)
+    assert hit >= BLOCK
+    assert alone == [0, want1[1]]  # nothing of the batch's document (its chunks: a hit)
+    assert again == [hit, want0[1]]  # p1's chunks, stored when it ran alone
+    assert repeat == [len(p1) - 1, want1[1]]  # p1 again: all but its last token
