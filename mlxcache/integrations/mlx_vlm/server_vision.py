@@ -5,8 +5,11 @@ calls ``apc.from_env`` for the same model, and never tells the cache which model
 ``VisionBinder.make`` stands in for the class: the cache it makes keeps features in the
 process only until ``bind(identity)`` (called from ``from_env``) names the model; from then
 on content-keyed features are shared too. A cache never bound never shares, so features of one
-model can never be served to another. In mlx-vlm 0.7.10 the server passes the cache to the
-models that read it (Gemma 4, Qwen3.5, DeepSeek-V4); Qwen2-VL's server path does not use it.
+model can never be served to another. A request with a tenant (mlx-vlm's ``X-APC-Tenant``, or
+a ``cache_salt``) reads and writes its features under keys of its own in both tiers
+(``vision_tenant.py``); a request without one keeps the keys it always had. In mlx-vlm
+0.7.10 the server passes the cache to the models that read it (Gemma 4, Qwen3.5,
+DeepSeek-V4); Qwen2-VL's server path does not use it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 from mlxcache.backends.base import CacheBackend
 from mlxcache.integrations.mlx_vlm.vision import SharedVisionFeatureCache
+from mlxcache.integrations.mlx_vlm.vision_tenant import tenant_key
 
 
 class BindableVisionFeatureCache(SharedVisionFeatureCache):
@@ -31,6 +35,9 @@ class BindableVisionFeatureCache(SharedVisionFeatureCache):
         super().__init__(self.max_size, model=model, backend=self.backend, salt=self._salt)
         getattr(self, "_cache", {}).update(kept)
         self.bound = True
+
+    def _make_key(self, image_source: Any) -> str:
+        return tenant_key(super()._make_key(image_source))  # the request's tenant's own
 
     def _shared_key(self, key: str) -> str | None:
         return super()._shared_key(key) if self.bound else None
