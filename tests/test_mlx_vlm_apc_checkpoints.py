@@ -66,12 +66,21 @@ def test_another_manager_resumes_the_checkpoint_as_mlx_vlm_in_process(lm, tmp_pa
         assert other.prefix.stats()["hits"] == 1 and other.stats.exact_hits == 1
         assert _logits(lm, shared, suffix) == _logits(lm, own, suffix)
     # a branch inside a stored prompt (one of 60 tokens: its blocks hold every window
-    # position): mlx-vlm's checkpoint serves only its length, so does the shared store
+    # position): mlx-vlm's checkpoint serves only its length; the shared store rebuilds
+    # window layers at the block boundary 48 (the engine resumed there: same logits), a
+    # state layer only where stored
     short = [t % 899 + 1 for t in ids[:60]]
     assert first.store_exact_cache(short, _prefill(lm, short))
     branch = short[:50] + [7, 8, 9]
-    assert first.lookup_exact_cache(branch) == (None, 0)
-    assert _manager(tmp_path / "cache").lookup_exact_cache(branch) == (None, 0)
+    if lm.model_type == "gemma3_text":
+        other = _manager(tmp_path / "cache")
+        cache, n = other.lookup_exact_cache(branch)
+        assert n == 48 and other.stats.exact_hits == 1
+        engine = _prefill(lm, branch[:48])
+        assert _logits(lm, cache, branch[48:]) == _logits(lm, engine, branch[48:])
+    else:
+        assert first.lookup_exact_cache(branch) == (None, 0)
+        assert _manager(tmp_path / "cache").lookup_exact_cache(branch) == (None, 0)
     # the stored checkpoint corrupted on disk: a miss and a log line, never its bytes
     reader = _manager(tmp_path / "cache")
     for name in _tails(reader.prefix)[N]:
@@ -100,3 +109,25 @@ def test_a_dead_redis_is_a_miss_and_a_log_line_and_the_in_process_checkpoint_sta
         assert "redis" in caplog.text.lower()
     finally:
         redis.close()
+
+
+def test_stores_after_each_chunk_serve_a_branch_past_the_window(lm, tmp_path):
+    """``store_prefill`` after each chunk (as ``chunk_stores.py`` calls it): a prompt that
+    shares 100 tokens resumes at 96 from another manager, with the logits of the engine
+    resumed there. Gemma 3's window has dropped those blocks by the prompt's end; Qwen3.5's
+    state is checkpointed at its stride (32 at block and step 16), so an off-stride chunk end
+    stores nothing for it."""
+    ids = [int(t) for t in mx.random.randint(1, 900, (N + 28,), key=mx.random.key(7)).tolist()]
+    first = _manager(tmp_path / "cache")
+    cache = lm.make_cache()
+    kept = {}
+    for e in range(16, len(ids), 16):
+        lm(mx.array([ids[e - 16 : e]]), cache=cache)
+        kept[e] = first.store_prefill(ids[:e], cache, step=16)
+    assert kept[32] and all(kept.values()) == (lm.model_type == "gemma3_text")
+    branch = ids[:N] + [7, 8, 9]
+    other = _manager(tmp_path / "cache")
+    restored, n = other.lookup_exact_cache(branch)
+    assert n == 96 and other.stats.exact_hits == 1
+    engine = _prefill(lm, branch[:96], step=16)
+    assert _logits(lm, restored, branch[96:]) == _logits(lm, engine, branch[96:])

@@ -10,7 +10,10 @@ repeated image prompt is reused in the process, by a second live server and afte
 Of a checkpoint-mode model (sliding-window, hybrid) the generator asks ``lookup_exact_cache``
 and ``store_exact_cache`` (its checkpoints: the prompt less its guard token, and stride
 lengths): both keep mlx-vlm's in-process entries and go to the same ``PrefixCache`` too
-(``checkpoints.py``), so those models are shared and kept over a restart as well.
+(``checkpoints.py``), so those models are shared and kept over a restart as well; with the
+stores after each prefill chunk (``chunk_stores.py``, ``store_prefill``) a prompt that branches
+inside a stored one resumes at its last shared block boundary (window layers) or stride
+checkpoint (recurrent layers).
 
 Why not mlx-vlm's memory pool: ``apc_lookup_plan`` drops a pool hit whose prefix holds image
 tokens, and its disk lookup gives way to the pool whenever the pool holds the first block; so
@@ -180,8 +183,9 @@ class SharedAPCManager(_apc.APCManager):
         max_prefix_tokens: int | None = None,
         min_prefix_tokens: int = 0,
     ) -> tuple[list[Any] | None, int]:
-        """mlx-vlm's in-process checkpoint, else a longer one the shared store holds (another
-        server's, or this one's before a restart): the state at exactly a stored length."""
+        """mlx-vlm's in-process checkpoint, else a longer prefix the shared store rebuilds
+        (another server's, or this one's before a restart): a stored length, or a block boundary
+        or stride checkpoint stored after a prefill chunk (``checkpoints.lookup``)."""
         cache, n = super().lookup_exact_cache(
             token_ids, extra_hash, max_prefix_tokens, min_prefix_tokens
         )
@@ -220,6 +224,37 @@ class SharedAPCManager(_apc.APCManager):
         with self.lock:
             self.stats.stored_tokens += written
         return kept or written > 0
+
+    def store_prefill(
+        self,
+        token_ids: Sequence[int],
+        prompt_cache: Sequence[Any],
+        *,
+        extra_hash: int = 0,
+        step: int | None = None,
+    ) -> int:
+        """Store a cache mid-prefill, after one of mlx-vlm's chunks (of ``step`` tokens).
+
+        A window layer drops its old tokens in the next chunk: its whole blocks are written
+        after every chunk, while it holds them (``chunk_stores.py``); a state layer
+        (``ArraysCache``) is checkpointed at chunk ends on its stride only (a multiple of the
+        block and the step, its bytes bounded: ``prefix/checkpoints.py``). A later prompt that
+        branches off this one restores there. Returns the new tokens the backend kept.
+        """
+        if not checkpoints.prefill_store_due(self.prefix, len(token_ids), prompt_cache, step):
+            return 0
+        written = checkpoints.store(
+            self.prefix,
+            token_ids,
+            prompt_cache,
+            request_images(self.digests, extra_hash),
+            min_tokens=self.prefix.block_size,
+            errors=self.errors,
+            mid_prefill=True,
+        )
+        with self.lock:
+            self.stats.stored_tokens += written
+        return written
 
     def stats_snapshot(self) -> dict:
         """mlx-vlm's APC stats (``/v1/cache/stats``) plus the prefix cache's under ``mlxcache``."""

@@ -8,9 +8,12 @@ guard token, and ``checkpoint_interval_tokens`` strides; the full prompt when no
 and asks ``lookup_exact_cache`` for a prompt, which an entry serves only at exactly its stored
 length. ``SharedAPCManager`` keeps both and adds this module: every such state also goes to the
 manager's ``PrefixCache`` (records under the model identity, salt and request tenant, as block
-mode's), and a lookup asks it for a stored length longer than the in-process answer, with
-``require_extras`` so that only a stored length answers: the state at exactly that length, as
-mlx-vlm's own checkpoint holds it. A corrupt record is a miss and a log line (the prefix cache's).
+mode's), and so do the caches after each prefill chunk (``chunk_stores.py``: a window layer's
+whole blocks, a recurrent state on its stride). A lookup asks the store for the longest prefix
+it rebuilds, longer than the in-process answer: a stored length, a block boundary whose window
+blocks are stored, a stride checkpoint. mlx-vlm takes any such length (``apc_lookup_plan``: a
+prefix shorter than the prompt whose suffix is text only) and prefills the rest itself. A
+corrupt record is a miss and a log line (the prefix cache's).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.apc_adapters import reserve_checkpoint_capacity
 
+from mlxcache.integrations.resume import holds_state, holds_window
 from mlxcache.integrations.serve_errors import ServeErrors
 from mlxcache.prefix import PrefixCache
+from mlxcache.prefix.checkpoints import stride
 
 log = logging.getLogger("mlxcache")
 
@@ -37,7 +42,7 @@ def lookup(
     above: int,
     errors: ServeErrors,
 ) -> tuple[list[Any], int] | None:
-    """The longest stored checkpoint of ``token_ids`` longer than ``above``, or None.
+    """The longest prefix of ``token_ids`` the store rebuilds, longer than ``above``, or None.
 
     At most the prompt less one token (its logits come from a prefill) and ``max_prefix_tokens``.
     The restored caches get the capacity mlx-vlm's own restore reserves for the whole prompt
@@ -49,7 +54,7 @@ def lookup(
     if limit <= max(0, above):
         return None
     try:
-        hit = prefix.lookup([int(t) for t in token_ids[:limit]], images=images, require_extras=True)
+        hit = prefix.lookup([int(t) for t in token_ids[:limit]], images=images)
     except Exception as exc:  # a dead backend: the in-process answer, or an uncached request
         log.warning("mlxcache APC: checkpoint lookup failed: %s", exc)
         errors.add("lookup")
@@ -64,6 +69,26 @@ def lookup(
     return hit.prompt_cache, hit.num_tokens
 
 
+def prefill_store_due(
+    prefix: PrefixCache, num_tokens: int, prompt_cache: Sequence[Any], step: int | None
+) -> bool:
+    """Whether a cache holding ``num_tokens`` is stored after a prefill chunk of ``step``.
+
+    Window layers: always (the next chunk drops their oldest blocks). State layers only: at
+    multiples of their checkpoint stride (``None`` step: one chunk, the block size stands in).
+    """
+    if not prompt_cache or num_tokens < prefix.block_size:
+        return False
+    if holds_window(prompt_cache):
+        return True
+    if not holds_state(prompt_cache):
+        return False
+    every = stride(
+        prompt_cache, prefix.block_size, prefix.checkpoint_share, step or prefix.block_size
+    )
+    return every is not None and num_tokens % every == 0
+
+
 def store(
     prefix: PrefixCache,
     token_ids: Sequence[int],
@@ -72,8 +97,10 @@ def store(
     *,
     min_tokens: int,
     errors: ServeErrors,
+    mid_prefill: bool = False,
 ) -> int:
-    """Store the state of exactly ``token_ids``; returns the new tokens the backend kept.
+    """Store the state of exactly ``token_ids`` (with ``mid_prefill``, its whole blocks only);
+    returns the new tokens the backend kept.
 
     Written before it returns (the generator's thread mutates the cache afterwards), so a
     server killed once it has answered has lost no checkpoint it made.
@@ -81,7 +108,9 @@ def store(
     if len(token_ids) < min_tokens or not prompt_cache:
         return 0
     try:
-        return prefix.store([int(t) for t in token_ids], list(prompt_cache), images=images)
+        return prefix.store(
+            [int(t) for t in token_ids], list(prompt_cache), images=images, mid_prefill=mid_prefill
+        )
     except Exception as exc:  # a store failure never fails the request
         log.warning("mlxcache APC: checkpoint store failed: %s", exc)
         errors.add("store")

@@ -5,7 +5,9 @@ mlx-vlm parses every one of its options, loads the model and answers requests; b
 ``mlx_vlm.apc.from_env`` builds a ``SharedAPCManager`` on ``--cache URI`` (see ``apc.py``),
 ``mlx_vlm.apc.hash_image_payload`` also records each request's pixel digest, and
 ``mlx_vlm.server.app.VisionFeatureCache`` becomes a vision feature cache with a shared tier,
-keyed per request tenant (``cache_salt``, ``X-APC-Tenant``) by ``vision_tenant.py``.
+keyed per request tenant (``cache_salt``, ``X-APC-Tenant``) by ``vision_tenant.py``;
+``PromptProcessingBatch.prompt_step`` also stores after each prefill chunk of a sliding-window or
+hybrid model (``chunk_stores.py``).
 ``GET /metrics`` is added (Prometheus text of the prefix caches and the backend).
 """
 
@@ -114,7 +116,7 @@ def _model_check(app: Any, served: str | None) -> None:
 
 def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     """Put mlxcache into mlx-vlm's server (see the module docstring); returns the undo."""
-    from mlxcache.integrations.mlx_vlm import salts, vision_tenant
+    from mlxcache.integrations.mlx_vlm import chunk_stores, salts, vision_tenant
     from mlxcache.integrations.mlx_vlm.apc import install
     from mlxcache.integrations.mlx_vlm.models import refused_type
     from mlxcache.integrations.mlx_vlm.server_vision import VisionBinder
@@ -148,6 +150,7 @@ def install_all(options: argparse.Namespace, backend: CacheBackend) -> Any:
     installed.replace(app_module, "VisionFeatureCache", vision.make)
     salts.install(installed)  # a request's cache_salt joins its keys
     vision_tenant.install(installed)  # and its vision features' keys
+    chunk_stores.install(installed)  # window models: each prefill chunk's blocks are stored
     from mlx_vlm.server import app
 
     _metrics_route(app, installed, backend)
