@@ -23,7 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxcache.prefix.cache import PrefixHit
-from mlxcache.prefix.checkpoints import DEFAULT_SHARE, Checkpoints
+from mlxcache.prefix.checkpoints import DEFAULT_SHARE, Checkpoints, stride
 from mlxcache.serializers import adapters
 
 log = logging.getLogger("mlxcache")
@@ -68,6 +68,22 @@ def holds_state(prompt_cache: Sequence[Any]) -> bool:
     """Whether a cache has layers stored whole per length (ArraysCache...: no blocks)."""
     found = [adapters.find(c) for c in prompt_cache]
     return any(f is not None and not f[1].per_block and f[1].window is None for f in found)
+
+
+def chunk_store_due(
+    prompt_cache: Sequence[Any], num_tokens: int, block_size: int, step: int,
+    share: float = DEFAULT_SHARE,
+) -> bool:  # fmt: skip
+    """Whether a server's store after one of its engine's prefill chunks is due, the cache
+    holding ``num_tokens``: always with window layers (the next chunk drops their oldest
+    blocks), at multiples of the checkpoint stride with state layers (prefix/checkpoints.py),
+    never for plain KV (the store at the prompt's end covers it)."""
+    if holds_window(prompt_cache):
+        return True
+    if not holds_state(prompt_cache):
+        return False
+    every = stride(prompt_cache, block_size, share, step)
+    return every is not None and num_tokens % every == 0
 
 
 def same_layout(restored: Sequence[Any], fresh: Sequence[Any]) -> bool:

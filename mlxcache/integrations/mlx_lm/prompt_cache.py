@@ -29,8 +29,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlxcache.backends.base import CacheBackend
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.integrations.request_salt import join_salt
-from mlxcache.integrations.resume import holds_state, holds_window
-from mlxcache.prefix import checkpoints
+from mlxcache.integrations.resume import chunk_store_due
 from mlxcache.prefix.cache import PrefixCache
 from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
@@ -278,13 +277,7 @@ class SharedPromptCache(LRUPromptCache):
         """Whether ``store_prefill`` stores a cache of this class mix holding ``num_tokens``."""
         if self.backend is None or not prompt_cache:
             return False
-        if holds_window(prompt_cache):
-            return True
-        if not holds_state(prompt_cache):
-            return False
-        share, step = checkpoints.DEFAULT_SHARE, self.prefill_step
-        every = checkpoints.stride(prompt_cache, self.block_size, share, step)
-        return every is not None and num_tokens % every == 0
+        return chunk_store_due(prompt_cache, num_tokens, self.block_size, self.prefill_step)
 
     def _submit(self, job: tuple) -> None:
         """Run a store job on the writer thread (at once without one); a dropped job is counted

@@ -25,10 +25,9 @@ from typing import Any
 import mlx.core as mx
 from mlx_vlm.apc_adapters import reserve_checkpoint_capacity
 
-from mlxcache.integrations.resume import holds_state, holds_window
+from mlxcache.integrations.resume import chunk_store_due
 from mlxcache.integrations.serve_errors import ServeErrors
 from mlxcache.prefix import PrefixCache
-from mlxcache.prefix.checkpoints import stride
 
 log = logging.getLogger("mlxcache")
 
@@ -79,14 +78,8 @@ def prefill_store_due(
     """
     if not prompt_cache or num_tokens < prefix.block_size:
         return False
-    if holds_window(prompt_cache):
-        return True
-    if not holds_state(prompt_cache):
-        return False
-    every = stride(
-        prompt_cache, prefix.block_size, prefix.checkpoint_share, step or prefix.block_size
-    )
-    return every is not None and num_tokens % every == 0
+    bs = prefix.block_size
+    return chunk_store_due(prompt_cache, num_tokens, bs, step or bs, prefix.checkpoint_share)
 
 
 def store(

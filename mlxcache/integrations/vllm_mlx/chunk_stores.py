@@ -28,9 +28,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mlxcache.integrations.resume import holds_state, holds_window
+from mlxcache.integrations.resume import chunk_store_due, holds_state, holds_window
 from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, held_tokens
-from mlxcache.prefix import checkpoints
 
 log = logging.getLogger("mlxcache")
 
@@ -38,14 +37,8 @@ _saved: dict[str, Any] = {}
 
 
 def store_due(layers: Sequence[Any], num_tokens: int, block_size: int, step: int) -> bool:
-    """Whether a chunk end holding ``num_tokens`` is stored: always for window layers, on the
-    checkpoint stride for state layers, never for plain KV (vllm-mlx's own store covers it)."""
-    if holds_window(layers):
-        return True
-    if not holds_state(layers):
-        return False
-    every = checkpoints.stride(layers, block_size, checkpoints.DEFAULT_SHARE, step)
-    return every is not None and num_tokens % every == 0
+    """Whether a chunk end holding ``num_tokens`` is stored (``resume.chunk_store_due``)."""
+    return chunk_store_due(layers, num_tokens, block_size, step)
 
 
 def store_chunks(
