@@ -96,7 +96,7 @@ def test_prefill_chunks_store_window_layers_always_and_state_layers_on_the_strid
 
 
 def test_default_mode_chunks_store_under_their_own_lookup_only(tmp_path):
-    """``simple_chunks``: the patched ``stream_generate`` stores a hybrid's checkpoint at its
+    """``trie_chunks``: the patched ``stream_generate`` stores a hybrid's checkpoint at its
     2,048-token chunk end under the lookup noted for it, takes that lookup once, and stores
     nothing under a lookup that is not the prompt's (a stale one) or without one (real tiny
     qwen3_5, mlx-lm's own ``stream_generate``)."""
@@ -108,10 +108,10 @@ def test_default_mode_chunks_store_under_their_own_lookup_only(tmp_path):
 
     from mlxcache.integrations.mlx_lm.chunk_stores import stream_generate_with_stores
     from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
-    from mlxcache.integrations.vllm_mlx import simple_chunks
+    from mlxcache.integrations.vllm_mlx import trie_chunks
 
     model, tokenizer = mlx_lm.load(str(build_folder("qwen3_5", tmp_path, ARCH["qwen3_5"])))
-    lookup = simple_chunks._Lookup()
+    lookup = trie_chunks._Lookup()
     generate = stream_generate_with_stores(mlx_lm.stream_generate, lookup, lookup.key)
     store = SharedPromptCache(backend="memory://", identity=str, block_size=32, background=False)
     one, two, three = ([7 + i % 50 + k for i in range(2100)] for k in (0, 100, 200))
@@ -126,10 +126,10 @@ def test_default_mode_chunks_store_under_their_own_lookup_only(tmp_path):
         cache, rest = store.fetch_nearest_cache("m", tokens[:n] + [1, 2])
         return 0 if cache is None else n + 2 - len(rest)
 
-    simple_chunks.looked_up(store, "m", one)
+    trie_chunks.looked_up(store, "m", one)
     run(one)
     stale = two[:2048] + one  # ends in ``one``: its chunk would end on the stride (4096)
-    simple_chunks.looked_up(store, "m", stale)
+    trie_chunks.looked_up(store, "m", stale)
     run(three)  # not the prompt being prefilled: nothing
     run(one)  # the stale lookup was taken: none for this call
     assert [reused(one), reused(two), reused(three), reused(stale, 4096)] == [2048, 0, 0, 0]

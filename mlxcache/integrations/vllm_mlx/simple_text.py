@@ -13,7 +13,7 @@ with mlx-lm's ``make_sampler(temperature, top_p)`` on the restored cache). ``ins
   entries; ``engine_salts.py`` carries the salt onto the generation thread), while a request
   without one keeps the model's keys;
 - stores after each of the branch's prefill chunks on window and hybrid models
-  (``simple_chunks.py``), under the tokens of the request's own lookup;
+  (``trie_chunks.py``), under the tokens of the request's own lookup;
 - reports the reused tokens in the prompt count (``usage.PromptCount``): OpenAI's
   ``cached_tokens`` and Anthropic's ``cache_read_input_tokens``.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlxcache.integrations.vllm_mlx import salts, simple_chunks
+from mlxcache.integrations.vllm_mlx import salts, trie_chunks
 from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, identity
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
 
@@ -54,7 +54,7 @@ def _trie_class(config: TierConfig) -> type:
     class ModelNamedPromptCache(SharedPromptCache):
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> Any:
             key = name(model)
-            simple_chunks.looked_up(self, key, tokens)  # the chunks of this call store under it
+            trie_chunks.looked_up(self, key, tokens)  # the chunks of this call store under it
             return super().fetch_nearest_cache(key, tokens)
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any,
@@ -168,7 +168,7 @@ def install(config: TierConfig) -> None:
     SimpleEngine._fetch_prefix_trie_cache = _counted_fetch(_saved["fetch"])
     SimpleEngine._stream_chat_impl = _reported(_saved["stream"])
     SimpleEngine.chat = _chat_via_stream(_saved["chat"])
-    simple_chunks.install()
+    trie_chunks.install()
 
 
 def uninstall() -> None:
@@ -182,5 +182,5 @@ def uninstall() -> None:
     SimpleEngine._fetch_prefix_trie_cache = _saved["fetch"]
     SimpleEngine._stream_chat_impl = _saved["stream"]
     SimpleEngine.chat = _saved["chat"]
-    simple_chunks.uninstall()
+    trie_chunks.uninstall()
     _saved.clear()
