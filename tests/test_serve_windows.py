@@ -57,8 +57,8 @@ def _prompts(folder: str, *requests) -> list[list[int]]:
     return [tokenizer.apply_chat_template(m, add_generation_prompt=True) for m in requests]
 
 
-def _stride(folder: str) -> int:
-    """The state checkpoint stride of a model at BLOCK and a prefill step of BLOCK."""
+def _stride(folder: str, step: int = BLOCK) -> int:
+    """The state checkpoint stride of a model at BLOCK and a prefill step (BLOCK)."""
     import mlx.core as mx
     from mlx_lm import load
     from mlx_lm.models.cache import make_prompt_cache
@@ -68,7 +68,7 @@ def _stride(folder: str) -> int:
     model, _ = load(folder)
     cache = make_prompt_cache(model)
     model(mx.array([[1] * 8]), cache=cache)
-    every = checkpoints.stride(cache, BLOCK, checkpoints.DEFAULT_SHARE, BLOCK)
+    every = checkpoints.stride(cache, BLOCK, checkpoints.DEFAULT_SHARE, step)
     assert every is not None and every % BLOCK == 0
     return every
 

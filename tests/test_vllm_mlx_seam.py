@@ -1,5 +1,6 @@
 """The parts of the vllm-mlx seam that need no vllm-mlx: the prompt count that carries cached
-tokens, the version range, salt sentinels and salted system-prompt snapshots."""
+tokens, the version range, salt sentinels, salted system-prompt snapshots and the
+default-mode chunk stores' lookups."""
 
 from __future__ import annotations
 
@@ -92,3 +93,43 @@ def test_prefill_chunks_store_window_layers_always_and_state_layers_on_the_strid
         assert every is not None and every % 16 == 0 and every % step == 0
         due = [n for n in range(1, 3 * every + 1) if store_due([kv, state], n, 16, step)]
         assert due == [every, 2 * every, 3 * every]
+
+
+def test_default_mode_chunks_store_under_their_own_lookup_only(tmp_path):
+    """``trie_chunks``: the patched ``stream_generate`` stores a hybrid's checkpoint at its
+    2,048-token chunk end under the lookup noted for it, takes that lookup once, and stores
+    nothing under a lookup that is not the prompt's (a stale one) or without one (real tiny
+    qwen3_5, mlx-lm's own ``stream_generate``)."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.models.cache import make_prompt_cache
+    from test_integration_mlx_lm import build_folder
+    from test_serve_windows import ARCH
+
+    from mlxcache.integrations.mlx_lm.chunk_stores import stream_generate_with_stores
+    from mlxcache.integrations.mlx_lm.prompt_cache import SharedPromptCache
+    from mlxcache.integrations.vllm_mlx import trie_chunks
+
+    model, tokenizer = mlx_lm.load(str(build_folder("qwen3_5", tmp_path, ARCH["qwen3_5"])))
+    lookup = trie_chunks._Lookup()
+    generate = stream_generate_with_stores(mlx_lm.stream_generate, lookup, lookup.key)
+    store = SharedPromptCache(backend="memory://", identity=str, block_size=32, background=False)
+    one, two, three = ([7 + i % 50 + k for i in range(2100)] for k in (0, 100, 200))
+
+    def run(prompt: list[int]) -> None:
+        cache = make_prompt_cache(model)
+        for _ in generate(model, tokenizer, prompt=mx.array(prompt), max_tokens=1,
+                          prompt_cache=cache):  # fmt: skip
+            pass
+
+    def reused(tokens: list[int], n: int = 2048) -> int:
+        cache, rest = store.fetch_nearest_cache("m", tokens[:n] + [1, 2])
+        return 0 if cache is None else n + 2 - len(rest)
+
+    trie_chunks.looked_up(store, "m", one)
+    run(one)
+    stale = two[:2048] + one  # ends in ``one``: its chunk would end on the stride (4096)
+    trie_chunks.looked_up(store, "m", stale)
+    run(three)  # not the prompt being prefilled: nothing
+    run(one)  # the stale lookup was taken: none for this call
+    assert [reused(one), reused(two), reused(three), reused(stale, 4096)] == [2048, 0, 0, 0]

@@ -249,7 +249,9 @@ NAMES = {
                                       "is_text_only_prefix_cache_request",
                                       "MLLMBatchGenerator._preprocess_request"],
     "vllm_mlx.engine.simple": ["SimpleEngine.__init__", "SimpleEngine.chat",
-                               "SimpleEngine._submit_to_generation_worker"],
+                               "SimpleEngine._submit_to_generation_worker",
+                               "SimpleEngine._run_blocking_serialized"],
+    "mlx_lm": ["stream_generate"],
 }
 def names():
     out = {}

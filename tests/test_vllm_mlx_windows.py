@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import started_together
 from test_integration_mlx_lm import build_folder
-from test_serve_windows import ARCH, ASK, BLOCK, _common, _prompts, _stride
+from test_serve_windows import ARCH, ASK, BLOCK, DOC, _common, _prompts, _stride
 from vllm_servers import Server, require_vllm_python, server_args
 
 OPTIONS = ("--continuous-batching", "--prefill-step-size", str(BLOCK))
@@ -90,3 +90,33 @@ def test_prompts_prefilled_together_store_no_chunks(tmp_path):
     assert alone == [0, want1[1]]  # nothing of the batch's document (its chunks: a hit)
     assert again == [hit, want0[1]]  # p1's chunks, stored when it ran alone
     assert repeat == [len(p1) - 1, want1[1]]  # p1 again: all but its last token
+
+
+def test_default_mode_stores_the_prefill_chunks_of_a_hybrid(tmp_path):
+    """vllm-mlx's default mode (no ``--continuous-batching``) prefills in mlx-lm's default step
+    of 2,048 tokens, which no option changes; the state checkpoint at its first chunk end lets
+    another server resume a long shared document there, on vllm-mlx's own splits."""
+    python = require_vllm_python()
+    folder = str(build_folder("qwen3_5", tmp_path / "qwen3_5", config=ARCH["qwen3_5"]))
+    cache = f"file://{tmp_path}/cache"
+    ask = [[{"role": "user", "content": DOC * 17 + m[0]["content"][len(DOC) :]}] for m in ASK]
+
+    def start(name: str, c: str | None) -> Server:
+        args = server_args(python, folder, c, c is None)
+        if c is not None:
+            args[args.index("--cache-block-size") + 1] = str(BLOCK)
+        return Server(args, tmp_path / f"{name}.log", tmp_path / name)
+
+    make = [partial(start, n, c) for n, c in (("stock", None), ("first", cache), ("second", cache))]
+    with started_together(make) as (stock, first, second):
+        want = [stock.chat(m, 6) for m in ask]
+        cold = [first.chat(ask[0], 6), first.chat(ask[0], 6, salt="alice")]
+        warm = [second.chat(ask[1], 6, salt=s) for s in (None, "alice", "bob")]
+        logs = first.log() + second.log()
+    assert all(w[2] is None for w in want)  # vllm-mlx as shipped, caches off
+    ids = _prompts(folder, *ask)
+    assert [w[1] for w in want] == [len(p) for p in ids]
+    assert _common(*ids) > 2048 == _stride(folder, 2048)
+    assert [c[:2] for c in cold] == [want[0][:2]] * 2
+    assert warm == [(*want[1][:2], 2048), (*want[1][:2], 2048), (*want[1][:2], 0)]
+    assert "mlx-lm prompt cache:" not in logs  # no failed lookup, store or snapshot

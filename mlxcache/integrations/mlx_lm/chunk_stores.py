@@ -75,8 +75,17 @@ def _snapshot(layers: list[Any]) -> list[Any] | None:
     def fresh(a: Any) -> Any:
         return mx.contiguous(a) if isinstance(a, mx.array) else a
 
+    def rebuilt(c: Any) -> Any:
+        state = tree_map(fresh, c.state)
+        if hasattr(c, "meta_state"):
+            try:  # mlx-lm 0.31 (vllm-mlx 0.6's): from_state(state, meta_state)
+                return type(c).from_state(state, c.meta_state)
+            except TypeError:
+                pass
+        return type(c).from_state(state)  # mlx-lm 0.32
+
     try:
-        out = [type(c).from_state(tree_map(fresh, c.state)) for c in layers]
+        out = [rebuilt(c) for c in layers]
     except Exception as e:  # a class without a state round trip: no store mid-prefill
         log.debug("mlx-lm prompt cache: no snapshot of this cache: %r", e)
         return None
@@ -90,20 +99,21 @@ def stream_generate_with_stores(
     """mlx-lm's ``stream_generate`` storing the prompt cache after each prefill chunk.
 
     The prompt's tokens are the ones the server has just looked up (``last_lookup()`` of the
-    prompt cache); ``prompt`` is their uncached rest. Speculative decoding (no progress
-    callback) and prompts with images (looked up by another key) run as they are.
+    prompt cache); ``prompt`` (a list, or a 1-D ``mx.array`` as vllm-mlx passes it) is their
+    uncached rest. Speculative decoding and prompts with images (looked up by another key)
+    run as they are; a caller's progress callback is still called.
     """
 
     def stream_generate(*args: Any, **kwargs: Any):
         cache, rest = kwargs.get("prompt_cache"), kwargs.get("prompt")
         callback = kwargs.get("prompt_progress_callback")
         tokens: list[int] = prompt_cache.last_lookup() or []
+        if isinstance(rest, mx.array) and rest.ndim == 1 and tokens:
+            rest = rest.tolist()
         start = len(tokens) - len(rest) if isinstance(rest, list) else -1
         plain = kwargs.get("input_embeddings") is None and kwargs.get("draft_model") is None
         if (
-            args
-            or cache is None
-            or callback is None
+            cache is None
             or not plain
             or start < 0
             or tokens[start:] != rest
@@ -113,7 +123,8 @@ def stream_generate_with_stores(
         key = model_key()
 
         def progress(done: int, total: int) -> None:
-            callback(done, total)
+            if callback is not None:
+                callback(done, total)
             n = start + done
             # a chunk's end (at ``total`` the first token has run)
             if 0 < done < total and prompt_cache.prefill_store_due(n, cache):

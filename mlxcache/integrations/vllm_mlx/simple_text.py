@@ -12,6 +12,8 @@ with mlx-lm's ``make_sampler(temperature, top_p)`` on the restored cache). ``ins
 - keys the cache by the request's ``cache_salt`` too (``Salted``: its own hot and shared
   entries; ``engine_salts.py`` carries the salt onto the generation thread), while a request
   without one keeps the model's keys;
+- stores after each of the branch's prefill chunks on window and hybrid models
+  (``trie_chunks.py``), under the tokens of the request's own lookup;
 - reports the reused tokens in the prompt count (``usage.PromptCount``): OpenAI's
   ``cached_tokens`` and Anthropic's ``cache_read_input_tokens``.
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlxcache.integrations.vllm_mlx import salts
+from mlxcache.integrations.vllm_mlx import salts, trie_chunks
 from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, identity
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
 
@@ -51,7 +53,9 @@ def _trie_class(config: TierConfig) -> type:
 
     class ModelNamedPromptCache(SharedPromptCache):
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> Any:
-            return super().fetch_nearest_cache(name(model), tokens)
+            key = name(model)
+            trie_chunks.looked_up(self, key, tokens)  # the chunks of this call store under it
+            return super().fetch_nearest_cache(key, tokens)
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any,
                          **kwargs: Any) -> Any:  # fmt: skip
@@ -164,6 +168,7 @@ def install(config: TierConfig) -> None:
     SimpleEngine._fetch_prefix_trie_cache = _counted_fetch(_saved["fetch"])
     SimpleEngine._stream_chat_impl = _reported(_saved["stream"])
     SimpleEngine.chat = _chat_via_stream(_saved["chat"])
+    trie_chunks.install()
 
 
 def uninstall() -> None:
@@ -177,4 +182,5 @@ def uninstall() -> None:
     SimpleEngine._fetch_prefix_trie_cache = _saved["fetch"]
     SimpleEngine._stream_chat_impl = _saved["stream"]
     SimpleEngine.chat = _saved["chat"]
+    trie_chunks.uninstall()
     _saved.clear()
