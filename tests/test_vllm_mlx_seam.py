@@ -73,13 +73,13 @@ def test_system_prompt_snapshots_are_each_salts_own():
 
 
 def test_prefill_chunks_store_window_layers_always_and_state_layers_on_the_stride():
-    """``chunk_stores.store_due``: a window layer's blocks after every chunk, a state layer's
-    checkpoint only at chunk ends on the stride (a multiple of block and step), plain KV never
-    (vllm-mlx's own store at the request's end covers it)."""
+    """``resume.chunk_store_due`` (vllm-mlx's chunk stores): a window layer's blocks after every
+    chunk, a state layer's checkpoint only at chunk ends on the stride (a multiple of block and
+    step), plain KV never (vllm-mlx's own store at the request's end covers it)."""
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
-    from mlxcache.integrations.vllm_mlx.chunk_stores import store_due
+    from mlxcache.integrations.resume import chunk_store_due as store_due
     from mlxcache.prefix import checkpoints
 
     kv, window, state = KVCache(), RotatingKVCache(max_size=4), ArraysCache(2)

@@ -70,6 +70,12 @@ def holds_state(prompt_cache: Sequence[Any]) -> bool:
     return any(f is not None and not f[1].per_block and f[1].window is None for f in found)
 
 
+def stores_mid_prefill(prompt_cache: Sequence[Any]) -> bool:
+    """Whether a cache has layers a store at the prompt's end cannot cover whole (window layers
+    have dropped old blocks, state layers hold only the last length): stored after chunks."""
+    return holds_window(prompt_cache) or holds_state(prompt_cache)
+
+
 def chunk_store_due(
     prompt_cache: Sequence[Any], num_tokens: int, block_size: int, step: int,
     share: float = DEFAULT_SHARE,

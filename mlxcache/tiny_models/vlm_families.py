@@ -132,23 +132,29 @@ def qwen2_vl_config(ids: Ids, vocab_size: int, text: dict[str, Any]) -> dict[str
     return cfg
 
 
+# Qwen3-VL's text sizes in the family matrix (``tests/families/specs_qwen.py`` adds its vocabulary)
+QWEN3_VL_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-5,
+    "head_dim": 16,
+    "rope_theta": 1000,
+    "tie_word_embeddings": False,
+    "rope_scaling": {"rope_type": "mrope", "mrope_section": [4, 2, 2]},  # head_dim/2
+}
+
+
 def qwen3_vl_config(ids: Ids, vocab_size: int, text: dict[str, Any]) -> dict[str, Any]:
     """Qwen3-VL as in the family matrix (``tests/families/specs_qwen.py``, from mlx-vlm's
     ``test_qwen3_vl``): 2 layers, width 64, deepstack at vision layer 0, 16-pixel patches."""
     text_config: dict[str, Any] = {
         "model_type": "qwen3_vl_text",
-        "hidden_size": 64,
-        "num_hidden_layers": 2,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "head_dim": 16,
+        **copy.deepcopy(QWEN3_VL_TEXT),
         "vocab_size": vocab_size,
-        "rope_theta": 1000,
         "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "rope_scaling": {"rope_type": "mrope", "mrope_section": [4, 2, 2]},  # head_dim/2
         **text,
     }
     return {

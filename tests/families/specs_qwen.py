@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from families.harness import Spec
-from mlxcache.tiny_models.vlm_families import QWEN3_5_TEXT
+from mlxcache.tiny_models.vlm_families import QWEN3_5_TEXT, QWEN3_VL_TEXT
 
 VOCAB = 1000
 IMAGE, VIDEO, VISION_START, VISION_END = 999, 998, 997, 996
@@ -45,20 +45,7 @@ _TOKENS = {
     "vocab_size": VOCAB,
 }
 
-_QWEN3_TEXT = {
-    "hidden_size": 64,
-    "num_hidden_layers": 2,
-    "intermediate_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "rms_norm_eps": 1e-5,
-    "head_dim": 16,
-    "vocab_size": VOCAB,
-    "rope_theta": 1000,
-    "max_position_embeddings": 1000,
-    "tie_word_embeddings": False,
-    "rope_scaling": {"rope_type": "mrope", "mrope_section": [4, 2, 2]},
-}
+_QWEN3_TEXT = {**copy.deepcopy(QWEN3_VL_TEXT), "vocab_size": VOCAB, "max_position_embeddings": 1000}
 
 _QWEN3_VISION = {
     "depth": 2,

@@ -27,15 +27,9 @@ import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxcache.integrations.resume import holds_state, holds_window
+from mlxcache.integrations.resume import stores_mid_prefill
 
 log = logging.getLogger("mlxcache")
-
-
-def _stored_mid_prefill(model: Any) -> bool:
-    """Whether a model's cache has layers a store at a prompt's end cannot cover whole."""
-    fresh = make_prompt_cache(model)
-    return holds_window(fresh) or holds_state(fresh)
 
 
 def batch_generator_class(base: type, prompt_cache: Any, model_key: Callable[[], Any]) -> type:
@@ -51,7 +45,7 @@ def batch_generator_class(base: type, prompt_cache: Any, model_key: Callable[[],
         def __init__(self, model: Any, *args: Any, **kwargs: Any) -> None:
             super().__init__(model, *args, **kwargs)
             self._mlxcache_key = model_key()
-            self._mlxcache_stores = _stored_mid_prefill(model)
+            self._mlxcache_stores = stores_mid_prefill(make_prompt_cache(model))
 
         def next(self):  # noqa: A003 - mlx-lm's name
             prompt_responses, generation_responses = super().next()
@@ -117,7 +111,7 @@ def stream_generate_with_stores(
             or not plain
             or start < 0
             or tokens[start:] != rest
-            or not (holds_window(cache) or holds_state(cache))
+            or not stores_mid_prefill(cache)
         ):
             return original(*args, **kwargs)
         key = model_key()

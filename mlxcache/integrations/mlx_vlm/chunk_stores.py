@@ -19,7 +19,7 @@ from typing import Any
 from mlx_vlm import apc as _apc
 
 from mlxcache.integrations.mlx_vlm.apc import Installed, SharedAPCManager
-from mlxcache.integrations.resume import holds_state, holds_window
+from mlxcache.integrations.resume import stores_mid_prefill
 
 
 def store_rows(batch: Any, manager: SharedAPCManager) -> None:
@@ -41,7 +41,7 @@ def store_rows(batch: Any, manager: SharedAPCManager) -> None:
         if not row:
             continue
         if "_mlxcache_stores" not in batch.__dict__:  # the same layers for the whole prefill
-            batch._mlxcache_stores = holds_window(row) or holds_state(row)  # (of a row's class)
+            batch._mlxcache_stores = stores_mid_prefill(row)  # (of a row's class)
         if batch._mlxcache_stores:
             manager.store_prefill(
                 meta["full_input_ids"][:n],

@@ -28,17 +28,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mlxcache.integrations.resume import chunk_store_due, holds_state, holds_window
+from mlxcache.integrations.resume import chunk_store_due, stores_mid_prefill
 from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, held_tokens
 
 log = logging.getLogger("mlxcache")
 
 _saved: dict[str, Any] = {}
-
-
-def store_due(layers: Sequence[Any], num_tokens: int, block_size: int, step: int) -> bool:
-    """Whether a chunk end holding ``num_tokens`` is stored (``resume.chunk_store_due``)."""
-    return chunk_store_due(layers, num_tokens, block_size, step)
 
 
 def store_chunks(
@@ -79,22 +74,15 @@ def _store_chunk(
     tier = tier_of(getattr(request, "mlxcache_salt", ""))
     if chunk.end_of_segment:  # the prompt minus its last token: stored whole
         tier.store(prompt[:n], layers)
-    elif store_due(layers, n, tier.config.block_size, generator.prefill_step_size):
+    elif chunk_store_due(layers, n, tier.config.block_size, generator.prefill_step_size):
         tier.store_prefill(prompt[:n], layers)
-
-
-def _stored_mid_prefill(model: Any) -> bool:
-    """Whether a model's cache has layers its store at a request's end cannot cover whole."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    fresh = make_prompt_cache(model)
-    return holds_window(fresh) or holds_state(fresh)
 
 
 def install() -> None:
     """Wrap the ``next()`` of the batch generators vllm-mlx's scheduler makes (idempotent)."""
     if _saved:
         return
+    from mlx_lm.models.cache import make_prompt_cache
     from vllm_mlx import scheduler
 
     cls = scheduler.Scheduler
@@ -102,7 +90,7 @@ def install() -> None:
 
     def create_batch_generator(self: Any, sampling_params: Any) -> Any:
         generator = original(self, sampling_params)
-        if not _stored_mid_prefill(self.model):
+        if not stores_mid_prefill(make_prompt_cache(self.model)):
             return generator
         step, batched = generator.next, set[int]()
 
