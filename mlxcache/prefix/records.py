@@ -227,16 +227,29 @@ def _need(tag: str, params: Any, n: int) -> list[tuple[int, int]]:
     return adapters.window_need(lib, name, params, n)
 
 
-def window_gaps(written: Sequence[Record], lay: list[str], n: int) -> list[int]:
+def window_needs(
+    views: dict[int, Held], lay: list[str], n: int
+) -> dict[int, list[tuple[int, int]]]:
+    """The positions each window layer needs at ``n`` ({layer index: ranges})."""
+    return {j: _need(lay[j], h.params, n) for j, h in views.items()}
+
+
+def window_gaps(
+    written: Sequence[Record],
+    views: dict[int, Held],
+    lay: list[str],
+    n: int,
+    marked: Sequence[tuple[int, int]] = (),
+) -> list[int]:
     """Window layers that a tail at ``n`` must carry whole: a block this store writes without
-    them holds positions they need at ``n`` (their older tokens were dropped)."""
+    them, or a stored block marked as lacking some window layer (``marked``: its span; which
+    layers it lacks is not read, so every one it holds a needed position of), holds positions
+    they need at ``n`` (their older tokens were dropped)."""
     out = []
-    for j, tag in enumerate(lay):
-        if tag.startswith("w:") and written:
-            params = written[0].meta["params"][j]
-            if _gap(written, j, _need(tag, params, n)):
-                out.append(j)
-    return out
+    for j, need in window_needs(views, lay, n).items():
+        if _gap(written, j, need) or any(s < hi and lo < e for s, e in marked for lo, hi in need):
+            out.append(j)
+    return sorted(out)
 
 
 def windows_held(blocks: Sequence[Record | Placed], lay: list[str], tail: Record | None) -> bool:
