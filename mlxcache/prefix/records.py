@@ -4,7 +4,8 @@ A prompt cache is a list of layers. Layers whose state is a plain token sequence
 its kin: their adapter is ``per_block``, tag ``b:``) are cut into blocks: a block record holds
 only that block's keys/values. Window layers (RotatingKVCache, ChunkedKVCache: their adapter
 has a ``window``, tag ``w:``) are stored per block too, each block sliced from what the state
-still holds (a block whose positions the layer dropped is not written), and rebuilt at any
+still holds (a block whose positions the layer dropped is written without them, listed
+absent; prefix/gaps.py marks it for a later store to complete), and rebuilt at any
 boundary from the positions they need there (serializers/windows.py). Every other layer
 (ArraysCache, BufferedRotatingKVCache, ...) is a *checkpoint* layer (``c:``): its whole state
 goes, through the prompt-cache serializer, into the tail record of one stored length. The
