@@ -107,6 +107,28 @@ def test_a_stored_length_whose_window_needs_a_marked_block_keeps_it_whole(uri):
     assert _feed(engine, [3, 1], 2, 44) == _feed(hit.prompt_cache, [3, 1], 2, 44)
 
 
+def test_healing_a_gapped_block_marks_it_too(monkeypatch):
+    """A hot prompt written back after its records were lost (prefix/heal.py) marks the blocks
+    its window layers no longer hold, so a later store still completes them."""
+    from mlxcache.backends.memory import MemoryBackend
+    from mlxcache.prefix import hot as prefix_hot
+
+    monkeypatch.setattr(prefix_hot, "TOUCH_EVERY", 0.0)  # every hot hit checks its records
+    backend = MemoryBackend()
+    a = PrefixCache(backend, model="m", block_size=BS)
+    _gapped_store(a, "mlx_lm", "rotating")
+    marks = _kinds(a)[gaps.KIND]
+    backend.clear()  # lost
+    assert a.lookup(list(range(40))).num_tokens == 40 and a.flush(10)  # hot: healed
+    assert _kinds(a)[gaps.KIND] == marks
+    b = PrefixCache(backend, model="m", block_size=BS, hot_bytes=0)
+    holder = _layers("mlx_lm", "rotating")
+    _feed(holder, [32], seed=1)
+    b.store(list(range(32)), holder, mid_prefill=True)
+    assert b.lookup(list(range(33)) + [99]).num_tokens == 32
+    a.close(), b.close()
+
+
 # ---------------------------------------------------------------- through mlx-lm's generation
 
 
