@@ -92,6 +92,32 @@ def test_prompts_prefilled_together_store_no_chunks(tmp_path):
     assert repeat == [len(p1) - 1, want1[1]]  # p1 again: all but its last token
 
 
+def test_a_window_document_stored_by_a_batch_is_completed_by_a_prompt_alone(tmp_path):
+    """gemma3_text (window of 16 tokens): two prompts prefilled together store no chunks, so
+    the finished requests' stores write the document's blocks without the window's part
+    (dropped by then; marked). A prompt sharing the document alone then misses, but its chunk
+    stores complete those blocks, and a third one resumes at the document's last block
+    boundary, answering as vllm-mlx with caches off."""
+    folder = str(build_folder("gemma3_text", tmp_path / "gemma3_text"))
+    other = [{"role": "user", "content": ASK[0][0]["content"] * 2}]
+    third = [{"role": "user", "content": DOC + "Question: what is a block named by?"}]
+    p0, p1, p2, p3 = _prompts(folder, *ASK, other, third)
+    steps = [[[p3], False], [[p0, p2], True], [[p1], True], [[p3], True]]
+    run = subprocess.run(
+        [require_vllm_python(), str(Path(__file__).parent / "vllm_scheduler.py"), folder,
+         f"file://{tmp_path}/cache", str(BLOCK)],
+        input="".join(json.dumps(s) + "\n" for s in steps), capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    (want,), batched, (alone,), (third_,) = [json.loads(x) for x in run.stdout.splitlines()]
+    assert want[0] == 0 and [cached for cached, _ in batched] == [0, 0]
+    assert alone[0] == 0  # the document's blocks lack the window's part
+    hit = min(_common(p0, p3), _common(p1, p3)) // BLOCK * BLOCK
+    assert hit >= 3 * BLOCK  # past the window
+    assert third_ == [hit, want[1]]
+
+
 def test_default_mode_stores_the_prefill_chunks_of_a_hybrid(tmp_path):
     """vllm-mlx's default mode (no ``--continuous-batching``) prefills in mlx-lm's default step
     of 2,048 tokens, which no option changes; the state checkpoint at its first chunk end lets

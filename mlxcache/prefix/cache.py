@@ -20,7 +20,7 @@ from mlxcache.backends.base import CacheBackend, log, put_all
 from mlxcache.backends.chains import add_sibling, walk_chain, walks_chains
 from mlxcache.backends.counters import Counters, Latency
 from mlxcache.backends.writer import BackgroundWriter
-from mlxcache.prefix import checkpoints, counts, heal
+from mlxcache.prefix import checkpoints, counts, gaps, heal
 from mlxcache.prefix import probe as prefix_probe
 from mlxcache.prefix import records as pr
 from mlxcache.prefix import walk as prefix_walk
@@ -28,7 +28,7 @@ from mlxcache.prefix.hot import DEFAULT_HOT_BYTES, HotEntry, HotPrefixes
 from mlxcache.prefix.plan import Match, Plan, as_tokens, check_positions
 from mlxcache.prefix.restore import fetch as fetch_records
 from mlxcache.prefix.restore import restore
-from mlxcache.prefix.writes import plan_writes
+from mlxcache.prefix.writes import Writes, plan_writes
 from mlxcache.protocol import PinnableBackend
 from mlxcache.records.record import Record
 from mlxcache.serializers import kv_quant
@@ -187,14 +187,14 @@ class PrefixCache:
             vision_key=vkey, extras=extras, vision_embeddings=vision_embeddings,
             mid_prefill=mid_prefill,
         )  # fmt: skip
-        todo, keys, sibling = writes.todo, writes.keys, writes.sibling
+        todo, keys = writes.todo, writes.keys
         if not keys:
             return 0
         if self._hot is not None and n and self.kv_quant is None and not mid_prefill:
             # quantized: only backend hits (dequantized) go hot: a prefix decodes the same
             self._hot.keep_store(plan, layers, extras, vision_embeddings, keys)
         if not background:
-            written = self._write(todo, sibling)
+            written = self._write(writes)
             if pin:
                 self._pin(keys)
             return written
@@ -204,7 +204,7 @@ class PrefixCache:
         nbytes = sum(rec.nbytes for _, rec, _ in todo)
 
         def write() -> int:
-            written = self._write(todo, sibling)
+            written = self._write(writes)
             if pin:
                 self._pin(keys)
             return written
@@ -212,7 +212,9 @@ class PrefixCache:
         queued = writer.submit(write, nbytes) if todo or pin else True
         return sum(m for _, _, m in todo) if queued else 0
 
-    def _write(self, todo: list[tuple[str, Record, int]], sibling: tuple | None = None) -> int:
+    def _write(self, writes: Writes) -> int:
+        todo, sibling = writes.todo, writes.sibling
+        errors = gaps.errors(self.backend)
         put_all(self.backend, [(key, rec) for key, rec, _ in todo])  # file://: one sync
         # what the backend kept: a put it refused (over its budget) or lost (a dead server)
         # does not count. One more contains_many, only when something was written.
@@ -221,8 +223,11 @@ class PrefixCache:
             new = {k: ok for (k, _, _), ok in zip(todo, kept, strict=True)}
             if new.get(sibling[2][0], True):
                 add_sibling(self.backend, *sibling)
+        completed = writes.completed if gaps.clear(self.backend, writes.cleared, errors) else 0
         written = sum(m for (_, _, m), ok in zip(todo, kept, strict=True) if ok)
-        self._count(stores=1, tokens_written=written, records_written=sum(kept))
+        self._count(
+            stores=1, tokens_written=written, records_written=sum(kept), blocks_completed=completed
+        )
         return written
 
     def _pin(self, keys: list[str]) -> None:

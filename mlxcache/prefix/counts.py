@@ -12,7 +12,7 @@ from typing import Any, TypeVar, cast
 
 NAMES = ("lookups", "hits", "misses", "tokens_requested", "tokens_reused", "vision_hits",
          "stores", "tokens_written", "records_written", "rejected", "records_pinned",
-         "pins_refused", "records_healed")  # fmt: skip
+         "pins_refused", "records_healed", "blocks_completed")  # fmt: skip
 
 F = TypeVar("F", bound=Callable[..., Any])
 

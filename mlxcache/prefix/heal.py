@@ -16,6 +16,7 @@ from typing import Any
 
 from mlxcache.backends.base import CacheBackend, put_all
 from mlxcache.backends.chains import add_sibling
+from mlxcache.prefix import gaps
 from mlxcache.prefix import records as pr
 from mlxcache.prefix.hot import HotEntry
 from mlxcache.prefix.plan import Plan
@@ -48,25 +49,32 @@ def rebuild(
     n = entry.num_tokens
     a, p = divmod(n, bs)
     layers, lay = entry.layers, pr.layout(entry.layers)
-    blocks = [(key("b", h), i, bs) for i, h in enumerate(plan.full(a))]
+    blocks = [(h, i, bs) for i, h in enumerate(plan.full(a))]
     if p:
-        blocks.append((key("b", plan.partial(a, p)), a, p))
+        blocks.append((plan.partial(a, p), a, p))
     out: list[tuple[str, Record]] = []
+    written: list[Record] = []
     views = pr.window_views(layers, lay)
-    for k, i, m in blocks:
-        if k in wanted:
-            out.append(
-                (k, pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m, None, views))
-            )
+    for h, i, m in blocks:
+        if key("b", h) in wanted:
+            rec = pr.block_record(layers, lay, i * bs, plan.block_tokens(i, m), m, None, views)
+            if (gap := gaps.mark(rec)) is not None:  # a block without a window slice: marked
+                out.append((key(gaps.KIND, h), gap))
+            out.append((key("b", h), rec))
+            written.append(rec)
     sibling = None
     tail_key = key("t", plan.partial(a, p) if p else plan.full(a)[-1])
     if entry.stored and tail_key in wanted:
         last = a if p else a - 1
         tokens = plan.block_tokens(last, p or None)
-        whole = pr.window_gaps([rec for _, rec in out], lay, n)
+        whole = pr.window_gaps(written, views, lay, n)
         out.append((tail_key, pr.tail_record(layers, lay, n, tokens, entry.extras, whole)))
         if p:
-            sibling = (key("s", plan.parent(a)), plan.block_tokens(a, p), [tail_key, blocks[-1][0]])
+            sibling = (
+                key("s", plan.parent(a)),
+                plan.block_tokens(a, p),
+                [tail_key, key("b", blocks[-1][0])],
+            )
     if entry.vision is not None and vision_key is not None and vision_key in wanted:
         out.append((vision_key, dump_prompt_cache(entry.vision, meta={"kind": "vision"})))
     return out, sibling

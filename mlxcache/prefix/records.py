@@ -4,7 +4,8 @@ A prompt cache is a list of layers. Layers whose state is a plain token sequence
 its kin: their adapter is ``per_block``, tag ``b:``) are cut into blocks: a block record holds
 only that block's keys/values. Window layers (RotatingKVCache, ChunkedKVCache: their adapter
 has a ``window``, tag ``w:``) are stored per block too, each block sliced from what the state
-still holds (a block whose positions the layer dropped is not written), and rebuilt at any
+still holds (a block whose positions the layer dropped is written without them, listed
+absent; prefix/gaps.py marks it for a later store to complete), and rebuilt at any
 boundary from the positions they need there (serializers/windows.py). Every other layer
 (ArraysCache, BufferedRotatingKVCache, ...) is a *checkpoint* layer (``c:``): its whole state
 goes, through the prompt-cache serializer, into the tail record of one stored length. The
@@ -227,16 +228,29 @@ def _need(tag: str, params: Any, n: int) -> list[tuple[int, int]]:
     return adapters.window_need(lib, name, params, n)
 
 
-def window_gaps(written: Sequence[Record], lay: list[str], n: int) -> list[int]:
+def window_needs(
+    views: dict[int, Held], lay: list[str], n: int
+) -> dict[int, list[tuple[int, int]]]:
+    """The positions each window layer needs at ``n`` ({layer index: ranges})."""
+    return {j: _need(lay[j], h.params, n) for j, h in views.items()}
+
+
+def window_gaps(
+    written: Sequence[Record],
+    views: dict[int, Held],
+    lay: list[str],
+    n: int,
+    marked: Sequence[tuple[int, int]] = (),
+) -> list[int]:
     """Window layers that a tail at ``n`` must carry whole: a block this store writes without
-    them holds positions they need at ``n`` (their older tokens were dropped)."""
+    them, or a stored block marked as lacking some window layer (``marked``: its span; which
+    layers it lacks is not read, so every one it holds a needed position of), holds positions
+    they need at ``n`` (their older tokens were dropped)."""
     out = []
-    for j, tag in enumerate(lay):
-        if tag.startswith("w:") and written:
-            params = written[0].meta["params"][j]
-            if _gap(written, j, _need(tag, params, n)):
-                out.append(j)
-    return out
+    for j, need in window_needs(views, lay, n).items():
+        if _gap(written, j, need) or any(s < hi and lo < e for s, e in marked for lo, hi in need):
+            out.append(j)
+    return sorted(out)
 
 
 def windows_held(blocks: Sequence[Record | Placed], lay: list[str], tail: Record | None) -> bool:
