@@ -1,13 +1,15 @@
 """``mlxcache serve`` on a hybrid model leaves a checkpoint at a branch point (issue 26).
 
 A document stored by one request, then a second one that branches inside it (off the stride):
-it resumes at the stride checkpoint and its prefill ends a chunk at the last block boundary
+it resumes at the stride checkpoint (or, after a system message, whose segment ends off the
+blocks, at its end) and its prefill ends a chunk at the last block boundary
 before the branch (one more segment end in mlx-lm's ``BatchGenerator``, or ``generate_step``'s
 chunks stopped there when served alone), where its state is checkpointed; a third request on
 another server that branches at the same place resumes there. Every answer (token ids and
 log-probabilities, as the server returns them) is mlx-lm's engine resumed at the same splits,
 computed here in-process: its ``BatchGenerator`` with the same segments, its ``stream_generate``
-after the same chunk calls.
+after the same chunk calls. The tiny mamba2 answers differently without the extra split, so
+it shows. Models without state layers (dense, window-only) run exactly as mlx-lm's server does.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from test_integration_mlx_lm import build_folder
 from test_serve import Server
-from test_serve_windows import ARCH, CONFIGS, DOC, _common, _prompts, _stride
+from test_serve_windows import ARCH, CONFIGS, DOC, SYSTEM, _common, _prompts, _stride
 
 BLOCK, STEP, MAX = 32, 64, 6  # a step of two blocks: a branch point at an odd block is new
 WORDS = (DOC + DOC).split(" ")
@@ -40,6 +42,14 @@ def _ask(word: str) -> list[dict]:
 
 
 ASKS = [_ask(w) for w in (WORDS[AT], "beside", "under")]
+# batched (mlx-lm's BatchGenerator); alone (a seed: its stream_generate) and batched after a
+# system message (whose segment ends off the blocks and the stride), each under a salt of its
+# own, so that only its own stores serve it
+CASES = {
+    "batched": ({}, ASKS),
+    "alone": ({"seed": 7, "cache_salt": "alone"}, ASKS),
+    "system": ({"cache_salt": "system"}, [[SYSTEM, *m] for m in ASKS]),
+}
 
 
 def _chat(server: Server, messages, **extra) -> tuple[list[tuple[int, float]], int]:
@@ -104,51 +114,55 @@ def test_a_branch_inside_a_document_is_checkpointed_for_the_next_server(family, 
         if failed:
             raise failed[0]
         first, second = servers
-        got = {}
-        # batched (mlx-lm's BatchGenerator), and alone (a seed: its stream_generate) under a
-        # salt of its own, so that only its own stores serve it
-        for path, extra in (("batched", {}), ("alone", {"seed": 7, "cache_salt": "alone"})):
-            got[path] = [
-                _chat(first, ASKS[0], **extra),  # stored
-                _chat(first, ASKS[1], **extra),  # branches inside the document
-                _chat(second, ASKS[2], **extra),  # branches there too, on another server
+        got = {
+            path: [
+                _chat(first, asks[0], **extra),  # stored
+                _chat(first, asks[1], **extra),  # branches inside the document
+                _chat(second, asks[2], **extra),  # branches there too, on another server
             ]
+            for path, (extra, asks) in CASES.items()
+        }
         log = second.log()
     finally:
         for server in servers:
             server.kill()
 
-    prompts = _prompts(folder, *ASKS)
-    every = _stride(folder, STEP)
-    branch = _common(prompts[0], prompts[1])
-    assert branch == _common(prompts[0], prompts[2]) == _common(prompts[1], prompts[2])
-    b = branch // BLOCK * BLOCK  # the branch point
-    hit = branch // every * every  # the stride checkpoint before it
-    assert 0 < hit < b and b % every and b % STEP  # off the stride and off mlx-lm's chunks
     from mlx_lm import load
 
     model, tokenizer = load(folder)
-    want = {
-        "batched": [
-            _batched(model, prompts[0], []),  # cold: mlx-lm's own chunks
-            _batched(model, prompts[1], [hit, b]),  # resumed at the stride, split at b
-            _batched(model, prompts[2], [hit, b]),  # resumed at b
-        ],
-        "alone": [
-            _alone(model, tokenizer, prompts[0], []),
-            _alone(model, tokenizer, prompts[1], [hit, b]),
-            _alone(model, tokenizer, prompts[2], [hit, b]),
-        ],
-    }
-    for path in ("batched", "alone"):
+    every = _stride(folder, STEP)
+    system = _prompts(folder, [SYSTEM, {"role": "user", "content": ""}])[0]
+    for path, (_, asks) in CASES.items():
+        prompts = _prompts(folder, *asks)
+        branch = _common(prompts[0], prompts[1])
+        assert branch == _common(prompts[0], prompts[2]) == _common(prompts[1], prompts[2])
+        b = branch // BLOCK * BLOCK  # the branch point
+        if path == "system":  # mlx-lm's segment ends there: its chunks miss the stride
+            hit = _common(system, prompts[0])
+            assert all((k * every - hit) % STEP for k in range(1, branch // every + 1))
+        else:
+            hit = branch // every * every  # the stride checkpoint before it
+        assert 0 < hit < b and (b - hit) % STEP  # not one of the first request's chunk ends
+        cuts = [hit] if path == "system" else []  # the segment ends mlx-lm makes
+        if path == "alone":
+            want = [
+                _alone(model, tokenizer, p, s)
+                for p, s in zip(prompts, ([], [hit, b], [hit, b]), strict=True)
+            ]
+        else:
+            want = [
+                _batched(model, p, s)
+                for p, s in zip(prompts, (cuts, [hit, b], [hit, b]), strict=True)
+            ]
         answers, cached = zip(*got[path], strict=True)
         assert cached == (0, hit, b), path  # without branch points the third one: ``hit``
-        for answer, reference in zip(answers, want[path], strict=True):
+        for answer, reference in zip(answers, want, strict=True):
             assert len(answer) >= 1 and answer == reference[: len(answer)], path
-    assert f"a shared-tier hit ({b} of {len(prompts[2])} tokens reused)" in log
-    if family == "mamba2":  # without the split at b (the stock server resumed at the stride)
-        assert want["batched"][1] != _batched(model, prompts[1], [hit])
-        assert want["alone"][1] != _alone(model, tokenizer, prompts[1], [hit])
+        assert f"a shared-tier hit ({b} of {len(prompts[2])} tokens reused)" in log
+        if family == "mamba2":  # without the split at b (the stock server resumed at ``hit``)
+            run = _alone if path == "alone" else _batched
+            args = (model, tokenizer) if path == "alone" else (model,)
+            assert want[1] != run(*args, prompts[1], [hit]), path
 
 
 KEY = ("tiny", None, None)
