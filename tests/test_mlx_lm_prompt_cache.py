@@ -355,3 +355,34 @@ def test_store_prefill_keeps_a_windows_blocks_and_leaves_dense_caches_to_the_ins
     assert rest == [90, 91] and hit[0].offset == 16
     keys = hit[0].state[0]
     assert keys[0, 0, -4:, 0].tolist() == [13.0, 14.0, 15.0, 16.0]
+
+
+def test_branch_gives_the_latest_fetchs_branch_point_and_store_branch_checkpoints_it():
+    """``branch`` (mlxcache serve, hybrid models): a prompt whose blocks match a stored one past
+    its hit gets the last block boundary before the branch, for its own fetch only; a state
+    stored there by ``store_branch`` is what the next prompt branching there restores."""
+    from mlx_lm.models.cache import ArraysCache
+
+    def hybrid(tokens):  # a KV layer and a state layer whose state names the length
+        state = ArraysCache(1)
+        state[0] = mx.full((1, 4), float(len(tokens)))
+        return [*kv(tokens, layers=1), state]
+
+    backend = MemoryBackend()
+    cache = SharedPromptCache(backend=backend, block_size=8, background=False)
+    stored = list(range(1, 41))
+    cache.insert_cache(MODEL, stored, hybrid(stored))  # blocks to 40, a checkpoint at 40
+    branched = stored[:21] + [90, 91, 92]
+    assert cache.fetch_nearest_cache(MODEL, branched) == (None, branched)  # no checkpoint <= 21
+    assert cache.branch(branched, 0) == (MODEL, 16)
+    assert cache.branch(stored[:21] + [7, 7, 7], 0) == (MODEL, 0)  # not the latest fetch
+    assert cache.branch(branched, 16) == (MODEL, 0)  # nothing past the hit
+    cache.store_branch(MODEL, branched[:16], hybrid(branched[:16]))
+    assert cache.stats()["branch_points"] == 1
+    third = stored[:21] + [50, 51]
+    hit, rest = SharedPromptCache(backend=backend, block_size=8).fetch_nearest_cache(MODEL, third)
+    assert rest == third[16:] and rows(hit) == [float(t) for t in third[:16]]
+    assert hit[1][0].tolist() == [[16.0] * 4]
+    off = SharedPromptCache(persist=False)
+    off.fetch_nearest_cache(MODEL, branched)
+    assert off.branch(branched, 0) == (MODEL, 0)  # no shared tier

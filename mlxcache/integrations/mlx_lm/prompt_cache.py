@@ -29,7 +29,7 @@ from mlx_lm.models.cache import LRUPromptCache, can_trim_prompt_cache, trim_prom
 from mlxcache.backends.base import CacheBackend
 from mlxcache.backends.writer import BackgroundWriter
 from mlxcache.integrations.request_salt import join_salt
-from mlxcache.integrations.resume import chunk_store_due
+from mlxcache.integrations.resume import branch_point, chunk_store_due
 from mlxcache.prefix.cache import PrefixCache
 from mlxcache.serializers import kv_quant
 from mlxcache.uri import open_backend
@@ -141,12 +141,14 @@ class SharedPromptCache(LRUPromptCache):
                 self.backend, self._owns_backend = open_backend(backend), True
         self._prefix: dict[str, PrefixCache] = {}
         self._last_lookup: list[int] | None = None  # see last_lookup()
+        self._last_key: Any = None  # the model key (salted) of that lookup
         # (model key, length, last token, digest) of recently fetched prompts: a few bytes each
         self._recent: deque[tuple[Any, int, int, bytes]] = deque(maxlen=_RECENT_PROMPTS)
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(
             ("fetches", "hot_hits", "backend_hits", "misses", "tokens_hot", "tokens_backend",
-             "stores", "tokens_stored", "store_errors", "lookup_errors"), 0)  # fmt: skip
+             "stores", "tokens_stored", "store_errors", "lookup_errors", "branch_points"),
+            0)  # fmt: skip
         self._done: list[Callable[[], None]] = []
         self._writer: BackgroundWriter | None = None
         if background:
@@ -198,7 +200,7 @@ class SharedPromptCache(LRUPromptCache):
         tokens (the last one is always run).
         """
         self._count(fetches=1)
-        self._last_lookup = list(tokens)
+        self._last_lookup, self._last_key = list(tokens), model
         if tokens and self.backend is not None:
             self._recent.append((model, len(tokens), tokens[-1], _digest(tokens)))
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -217,6 +219,36 @@ class SharedPromptCache(LRUPromptCache):
     def last_lookup(self) -> list[int] | None:
         """The tokens of the latest ``fetch_nearest_cache`` (None before the first)."""
         return self._last_lookup
+
+    def branch(self, tokens: list[int], have: int) -> tuple[Any, int]:
+        """The model key of the latest fetch and its branch point (0: none), for a cache with
+        state layers that restored ``have`` of those ``tokens``.
+
+        The last block boundary at or before where ``tokens[:-1]`` stops matching stored blocks,
+        past ``have`` (``resume.branch_point``: one ``contains_many``): a checkpoint stored there
+        (``store_branch``) lets the next request that branches there resume all of the shared
+        blocks. 0 when ``tokens`` is not the latest fetch's prompt or the shared tier is off.
+        """
+        key = self._last_key
+        if self.backend is None or tokens != self._last_lookup or len(tokens) < 2:
+            return key, 0
+        try:
+            pc = self.prefix_cache(key)
+        except Exception as e:  # a failing store is a miss, never an error in the server
+            log.warning("mlx-lm prompt cache: branch lookup failed: %s", e)
+            return key, 0
+        at = branch_point(pc, tokens[:-1], (), have) if pc is not None else 0
+        return key, at
+
+    def store_branch(self, model: Any, tokens: list[int], prompt_cache: list[Any]) -> None:
+        """Store a prompt's cache mid-prefill at its branch point (``branch``): its whole blocks
+        and a checkpoint of its state layers (shared tier only, queued as ``store_prefill``).
+
+        ``model`` is the key ``branch`` gave (a request's salt already on it).
+        """
+        if tokens and self.backend is not None and prompt_cache:
+            self._count(branch_points=1)
+            self._submit((model, list(tokens), list(prompt_cache), _MID_PREFILL, []))
 
     def _lookup(self, model: Any, tokens: list[int], have: int):
         """A backend hit longer than ``have`` tokens (at most ``len(tokens) - 1``), or None."""
