@@ -1,6 +1,7 @@
 """``python -m benchmarks``: throughput, prefix lookup, TTFT, peak memory, the mlx-lm server,
-the peers side by side, the growth curves and restores for another worker, in one run; the
-soak (``--only soak --minutes 30``) only when asked for.
+the peers side by side, the growth curves, restores for another worker and the agent workload
+(in process, and over HTTP against each engine's stock server), in one run; the soak
+(``--only soak --minutes 30``) only when asked for.
 
 Prints markdown tables, writes the same rows as JSON (``--out``) and, for a full run of every
 section, rewrites the generated part of docs/performance.md (``--doc``). ``--smoke`` runs tiny
@@ -22,7 +23,7 @@ from benchmarks.throughput import Context
 
 SECTIONS = (
     "throughput", "durability", "lookup", "ttft", "rss", "server", "signed", "scale", "peers",
-    "growth", "quant", "restore", "agents",
+    "growth", "quant", "restore", "agents", "agents_servers",
 )  # fmt: skip
 # run only when named in --only (not part of a full run): the soak takes --minutes
 ON_REQUEST = ("soak",)
@@ -232,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                 from benchmarks import agents
 
                 out += agents.run(ctx)
+            elif section == "agents_servers":
+                from benchmarks import agents_servers
+
+                out += agents_servers.run(ctx)
             elif section == "soak":
                 from benchmarks import soak
 

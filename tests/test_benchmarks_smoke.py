@@ -186,7 +186,7 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
         assert stats["min"] <= stats["median"] <= stats["max"], row
         if row["ratio"] is not None:
             assert isinstance(row["ratio"], int | float), row
-            if row["section"] in ("rss", "agents"):
+            if row["section"] in ("rss", "agents", "agents_servers"):
                 assert row["ratio"] >= 0, row  # a put that copies nothing, nothing reused: 0
             else:
                 assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
@@ -218,3 +218,38 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
     even = [line for line in text.splitlines() if line.startswith("| break-even")]
     assert even and not [line for line in even if "| 0 tokens |" in line]  # "< N", a length
     assert text.count("<!-- BEGIN GENERATED") == 1 and text.count("<!-- END GENERATED -->") == 1
+
+
+def test_agent_servers_smoke_a_second_server_reuses_the_shared_document(tmp_path: Path) -> None:
+    """The agent workload over HTTP (benchmarks/agents_servers.py, --smoke: mlx-lm's servers on a
+    sliding-window olmo3): two ``mlxcache serve`` on one store reuse the document one does, and
+    more than two stock ``mlx_lm.server``s (whose count is what it is); answers are the stock's."""
+    out = tmp_path / "servers.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--only", "agents_servers", "--smoke", "--out",
+         str(out), "--tmpdir", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    rows = {r["name"]: r for r in doc["rows"] if r["section"] == "agents_servers"}
+    sides = ("mlx_lm.server, one server", "mlx_lm.server, two servers",
+             "mlxcache serve, one server", "mlxcache serve, two servers")  # fmt: skip
+    names = {f"mlx-lm, sliding (olmo3), {k}: {s}" for k in ("chat", "document") for s in sides}
+    assert set(rows) == names, doc["notes"]
+    reused = {name: row["stats"]["median"] for name, row in rows.items()}
+    for name, row in rows.items():
+        assert row["extra"]["prompt_mismatch"] == 0, row  # our token count is the server's
+        assert 0 <= reused[name] <= row["tokens"], row
+        if ": mlxcache" in name:
+            assert row["extra"]["equal_answers"] == row["extra"]["requests"], row
+    doc_ = "mlx-lm, sliding (olmo3), document: "
+    one, two = reused[doc_ + sides[2]], reused[doc_ + sides[3]]
+    block, questions = 32, 3
+    reusable = rows[doc_ + sides[3]]["tokens"]
+    # every question after the first: the shared document's blocks, from either server
+    assert one == two >= reusable - questions * block > 0
+    assert two > reused[doc_ + sides[1]]
+    chat = "mlx-lm, sliding (olmo3), chat: "
+    assert reused[chat + sides[3]] >= reused[chat + sides[1]]
