@@ -307,3 +307,23 @@ def test_format_1_blocks_are_copied_in_and_still_checked(tmp_path):
             assert bytes(memoryview(b.keys)) == bytes(memoryview(mx.contiguous(a.keys[..., :n, :])))
         flip(files[2], "data")
         assert r.lookup(toks).num_tokens == 2 * BS
+
+
+@pytest.mark.parametrize("change", [-2, 2])
+def test_a_block_resized_after_its_table_was_parsed_is_still_a_miss(tmp_path, change):
+    """Tensor tables are parsed once per process (``gather.Tables``, shared by every restore):
+    a later restore still checks each file's size against the table, so a block cut short or
+    grown after an earlier restore read it is a miss from there; the tables stay bounded."""
+    from mlxcache.records import gather
+
+    n = 3 * BS
+    cache, toks = kv_cache(n), list(range(1, n + 1))
+    w, r = pair(tmp_path)
+    with w, r:
+        w.store(toks, cache)
+        assert r.lookup(toks).num_tokens == n  # the block table is parsed and kept here
+        path = block_files(r.backend)[1]
+        os.truncate(path, os.path.getsize(path) + change)
+        assert r.lookup(toks).num_tokens == BS
+        assert os.listdir(tmp_path / "c" / "quarantine")
+    assert 0 < len(gather.Tables._seen) <= gather.Tables.KEEP

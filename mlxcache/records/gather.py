@@ -17,6 +17,7 @@ import json
 import math
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -266,12 +267,13 @@ def _raw(a: mx.array) -> memoryview:
 
 
 class Tables:
-    """Tensor tables already checked in one restore, by their header text: block records of
-    one model repeat the same table, so it is parsed and checked once, not once a block."""
+    """Tensor tables already checked, by their header text: block records of one model repeat
+    the same table, so it is parsed and checked once per process, not once a block or a restore
+    (a bounded LRU shared by every ``Tables``; an entry is a pure function of its text)."""
 
-    def __init__(self) -> None:
-        self._seen: dict[bytes, tuple[tuple[st.TensorInfo, ...], bytes, int]] = {}
-        self._lock = threading.Lock()
+    KEEP = 64  # tables kept (one a model, block shape and quantization: a few per server)
+    _seen: OrderedDict[bytes, tuple[tuple[st.TensorInfo, ...], bytes, int]] = OrderedDict()
+    _lock = threading.Lock()
 
     def header(self, fd: int) -> tuple[st.Header, bytes]:
         """The checked header of an open record file (meta not decoded) and its packed table."""
@@ -292,6 +294,8 @@ class Tables:
         if info is not None and info[0] == _info_of(raw):  # cache only a table read one way
             with self._lock:
                 self._seen[raw[info[1] :]] = (header.tensors, packed, header.data_size)
+                while len(self._seen) > self.KEEP:
+                    self._seen.popitem(last=False)
         return header, packed
 
     def _fast(self, raw: bytes, size: int, n: int) -> tuple[st.Header, bytes] | None:
@@ -299,9 +303,11 @@ class Tables:
         if got is None:
             return None
         info, end = got
-        hit = self._seen.get(raw[end:])
-        if hit is None:
-            return None
+        with self._lock:
+            hit = self._seen.get(raw[end:])
+            if hit is None:
+                return None
+            self._seen.move_to_end(raw[end:])
         tensors, packed, data_size = hit
         if size != 8 + n + data_size:
             raise FormatError(f"size is {size} bytes, header says {8 + n + data_size}")
