@@ -327,6 +327,7 @@ def test_a_block_resized_after_its_table_was_parsed_is_still_a_miss(tmp_path, ch
         assert r.lookup(toks).num_tokens == BS
         assert os.listdir(tmp_path / "c" / "quarantine")
     assert 0 < len(gather.Tables._seen) <= gather.Tables.KEEP
+    assert gather.Tables._bytes == sum(len(t) for t in gather.Tables._seen)
 
 
 def test_a_restore_asks_the_index_twice_and_touches_once(tmp_path, monkeypatch):

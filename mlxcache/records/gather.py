@@ -272,7 +272,9 @@ class Tables:
     (a bounded LRU shared by every ``Tables``; an entry is a pure function of its text)."""
 
     KEEP = 64  # tables kept (one a model, block shape and quantization: a few per server)
+    KEEP_BYTES = 16 << 20  # and their text, at most (the newest one is kept whatever its size)
     _seen: OrderedDict[bytes, tuple[tuple[st.TensorInfo, ...], bytes, int]] = OrderedDict()
+    _bytes = 0
     _lock = threading.Lock()
 
     def header(self, fd: int) -> tuple[st.Header, bytes]:
@@ -292,11 +294,18 @@ class Tables:
         packed = digests.pack_table(header.tensors)
         info = _first_info(raw)
         if info is not None and info[0] == _info_of(raw):  # cache only a table read one way
-            with self._lock:
-                self._seen[raw[info[1] :]] = (header.tensors, packed, header.data_size)
-                while len(self._seen) > self.KEEP:
-                    self._seen.popitem(last=False)
+            self._keep(raw[info[1] :], (header.tensors, packed, header.data_size))
         return header, packed
+
+    @classmethod
+    def _keep(cls, text: bytes, entry: tuple[tuple[st.TensorInfo, ...], bytes, int]) -> None:
+        with cls._lock:
+            if text not in cls._seen:
+                cls._bytes += len(text)
+            cls._seen[text] = entry
+            cls._seen.move_to_end(text)
+            while len(cls._seen) > 1 and (len(cls._seen) > cls.KEEP or cls._bytes > cls.KEEP_BYTES):
+                cls._bytes -= len(cls._seen.popitem(last=False)[0])
 
     def _fast(self, raw: bytes, size: int, n: int) -> tuple[st.Header, bytes] | None:
         got = _first_info(raw)

@@ -1,14 +1,14 @@
 """file:// reads of a run of records straight into joined arrays (``get_joined``).
 
 A prefix restore reads many block records and joins them on axis -2. Here the index is asked
-once for every file (the blocks' and the records read whole with them: a tail, a vision entry,
-touched in the same update), the first record's header is read on the caller's thread (it sizes the
-final arrays, see :class:`mlxcache.records.gather.Joined`), then every record on the reader
-pool, each file ``preadv``ed into its rows and verified (checksum, or MAC with a secret) as its
-pieces land. Files are read through the backend's bounded cache of open descriptors
-(``descriptors.py``): a repeated restore opens none of them again. A corrupt or forged file
-is handled as by ``get``: a miss, unindexed and quarantined (its descriptor closed); a record
-that does not fit the join (another layout) is a quiet miss and stays.
+once for every file (the blocks' and those of the records read whole with them: a tail, a
+vision entry; all touched in one update), the first record's header is read on the caller's
+thread (it sizes the final arrays, see :class:`mlxcache.records.gather.Joined`), then every
+record on the reader pool, each file ``preadv``ed into its rows and verified (checksum, or MAC
+with a secret) as its pieces land. Files are read through the backend's bounded cache of open
+descriptors (``descriptors.py``): a repeated restore opens none of them again. A corrupt or
+forged file is handled as by ``get``: a miss, unindexed and quarantined (its descriptor
+closed); a record that does not fit the join (another layout) is a quiet miss and stays.
 """
 
 from __future__ import annotations
