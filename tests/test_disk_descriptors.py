@@ -82,6 +82,33 @@ def test_a_quarantined_block_is_closed_and_never_served(tmp_path, where):
         assert keys_bits(r.lookup(TOKENS).prompt_cache, N) == keys_bits(cache, N)
 
 
+def test_a_block_another_worker_quarantined_is_never_served_through_a_kept_descriptor(tmp_path):
+    """Another worker found a block corrupt and quarantined it; this reader still holds the
+    file open, and the bytes it would read through that descriptor verify again (mended in
+    quarantine): the block is still never served, because the index no longer names it."""
+    cache = kv_cache(N)
+    w, r = pair(tmp_path)
+    with w, r:
+        w.store(TOKENS, cache)
+        assert r.lookup(TOKENS).num_tokens == N
+        key, name = block_keys(r.backend)[2]
+        fd = r.backend._fds._open[name][0]
+        path = r.backend._data / name
+        good = path.read_bytes()
+        flip(str(path), "data")
+        assert w.lookup(TOKENS).num_tokens == 2 * BS  # the other worker quarantines block 2
+        moved = tmp_path / "c" / "quarantine" / path.name
+        assert moved.exists() and not path.exists()
+        moved.write_bytes(good)  # the same inode: what the kept descriptor reads is whole again
+        assert os.pread(fd, len(good), 0) == good
+        assert name in r.backend._fds._open  # still kept here (another process quarantined it)
+        hit = r.lookup(TOKENS)
+        assert hit.num_tokens == 2 * BS  # the prefix ends before the quarantined block
+        assert keys_bits(hit.prompt_cache, 2 * BS) == keys_bits(cache, 2 * BS)
+        w.store(TOKENS, cache)  # stored again under a new file name: read in full
+        assert keys_bits(r.lookup(TOKENS).prompt_cache, N) == keys_bits(cache, N)
+
+
 def test_deleting_or_clearing_here_closes_the_descriptors(tmp_path):
     w, r = pair(tmp_path)
     with w, r:

@@ -80,9 +80,9 @@ class Joins:
         self.calls = 0
         inner = backend.get_joined
 
-        def counted(keys, target):
+        def counted(keys, target, *more):
             self.calls += 1
-            return inner(keys, target)
+            return inner(keys, target, *more)
 
         backend.get_joined = counted
 
@@ -307,3 +307,46 @@ def test_format_1_blocks_are_copied_in_and_still_checked(tmp_path):
             assert bytes(memoryview(b.keys)) == bytes(memoryview(mx.contiguous(a.keys[..., :n, :])))
         flip(files[2], "data")
         assert r.lookup(toks).num_tokens == 2 * BS
+
+
+@pytest.mark.parametrize("change", [-2, 2])
+def test_a_block_resized_after_its_table_was_parsed_is_still_a_miss(tmp_path, change):
+    """Tensor tables are parsed once per process (``gather.Tables``, shared by every restore):
+    a later restore still checks each file's size against the table, so a block cut short or
+    grown after an earlier restore read it is a miss from there; the tables stay bounded."""
+    from mlxcache.records import gather
+
+    n = 3 * BS
+    cache, toks = kv_cache(n), list(range(1, n + 1))
+    w, r = pair(tmp_path)
+    with w, r:
+        w.store(toks, cache)
+        assert r.lookup(toks).num_tokens == n  # the block table is parsed and kept here
+        path = block_files(r.backend)[1]
+        os.truncate(path, os.path.getsize(path) + change)
+        assert r.lookup(toks).num_tokens == BS
+        assert os.listdir(tmp_path / "c" / "quarantine")
+    assert 0 < len(gather.Tables._seen) <= gather.Tables.KEEP
+    assert gather.Tables._bytes == sum(len(t) for t in gather.Tables._seen)
+
+
+def test_a_restore_asks_the_index_twice_and_touches_once(tmp_path, monkeypatch):
+    """The probe, then one query for every file read (the blocks, the partial block and its
+    tail: read whole in the same ``get_joined``), and one access-time update for all."""
+    n = 3 * BS + 2  # three whole blocks, a partial one and its tail
+    cache, toks = kv_cache(n), list(range(1, n + 1))
+    w, r = pair(tmp_path)
+    with w, r:
+        w.store(toks, cache)
+        asked, touched = [], []
+        lookup, touch = r.backend._lookup, r.backend._touch
+        monkeypatch.setattr(r.backend, "_lookup", lambda keys: asked.append(keys) or lookup(keys))
+        monkeypatch.setattr(
+            r.backend, "_touch", lambda pairs: touched.append(pairs) or touch(pairs)
+        )
+        hit = r.lookup(toks)
+        assert hit.num_tokens == n
+        assert len(asked) == 2 and len(asked[1]) == 5  # 3 blocks, the partial one, its tail
+        assert len(touched) == 1 and len(touched[0]) == 5
+        for a, b in zip(cache, hit.prompt_cache, strict=True):
+            assert bytes(memoryview(b.keys)) == bytes(memoryview(mx.contiguous(a.keys[..., :n, :])))

@@ -289,6 +289,11 @@ def join_blocks(
         recs = [b for b in blocks if isinstance(b, Record)]
         joined = {k: mx.concatenate([b.arrays[k] for b in recs], axis=-2) for k in recs[0].arrays}
     joined = kv_quant.restore(joined, blocks[0].meta.get("kvq"), quant)
+    sided: dict[tuple[str, str], list[str]] = {}  # (layer, side) -> its array names, one pass
+    for k in joined:
+        layer, dot, rest = k.partition(".")
+        if dot and rest:
+            sided.setdefault((layer, rest[0]), []).append(k)
     out: dict[int, Any] = {}
     for j, tag in enumerate(lay):
         lib, _, name = tag[2:].partition(".")
@@ -302,7 +307,7 @@ def join_blocks(
             continue
         sides = []
         for side in ("k", "v"):
-            names = sorted(k for k in joined if k.startswith(f"{j}.{side}"))
+            names = sorted(sided.get((str(j), side), ()))  # those starting f"{j}.{side}"
             parts = tuple(joined[k] for k in names)
             sides.append(parts if len(parts) > 1 else parts[0])
         out[j] = adapters.from_block_state(lib, name, sides[0], sides[1], n, params[j])

@@ -32,7 +32,7 @@ def fetch(backend: Any, plan: Plan, match: Match, keys: list[str]) -> list[Any]:
 
     One ``get_many``; on a backend that ``joins`` (``file://``) the blocks are read straight
     into their rows of the final arrays instead (``get_joined``: no per-block arrays, no
-    concatenation) and only the rest (tails, the vision entry) by ``get_many``.
+    concatenation) and the rest (tails, the vision entry) whole, in the same call.
     """
     if not keys:
         return []
@@ -40,9 +40,7 @@ def fetch(backend: Any, plan: Plan, match: Match, keys: list[str]) -> list[Any]:
     if not idx or not getattr(backend, "joins", False):
         return backend.get_many(keys)
     rows = [plan.bs] * match.k + ([match.pm] if match.pm else [])
-    out: list[Any] = list(backend.get_joined([keys[i] for i in idx], Joined(rows)))
-    out += backend.get_many(keys[len(idx) :]) if len(keys) > len(idx) else []
-    return out
+    return list(backend.get_joined([keys[i] for i in idx], Joined(rows), keys[len(idx) :]))
 
 
 def restore(

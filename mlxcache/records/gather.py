@@ -17,6 +17,7 @@ import json
 import math
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -266,12 +267,15 @@ def _raw(a: mx.array) -> memoryview:
 
 
 class Tables:
-    """Tensor tables already checked in one restore, by their header text: block records of
-    one model repeat the same table, so it is parsed and checked once, not once a block."""
+    """Tensor tables already checked, by their header text: block records of one model repeat
+    the same table, so it is parsed and checked once per process, not once a block or a restore
+    (a bounded LRU shared by every ``Tables``; an entry is a pure function of its text)."""
 
-    def __init__(self) -> None:
-        self._seen: dict[bytes, tuple[tuple[st.TensorInfo, ...], bytes, int]] = {}
-        self._lock = threading.Lock()
+    KEEP = 64  # tables kept (one a model, block shape and quantization: a few per server)
+    KEEP_BYTES = 16 << 20  # and their text, at most (the newest one is kept whatever its size)
+    _seen: OrderedDict[bytes, tuple[tuple[st.TensorInfo, ...], bytes, int]] = OrderedDict()
+    _bytes = 0
+    _lock = threading.Lock()
 
     def header(self, fd: int) -> tuple[st.Header, bytes]:
         """The checked header of an open record file (meta not decoded) and its packed table."""
@@ -290,18 +294,29 @@ class Tables:
         packed = digests.pack_table(header.tensors)
         info = _first_info(raw)
         if info is not None and info[0] == _info_of(raw):  # cache only a table read one way
-            with self._lock:
-                self._seen[raw[info[1] :]] = (header.tensors, packed, header.data_size)
+            self._keep(raw[info[1] :], (header.tensors, packed, header.data_size))
         return header, packed
+
+    @classmethod
+    def _keep(cls, text: bytes, entry: tuple[tuple[st.TensorInfo, ...], bytes, int]) -> None:
+        with cls._lock:
+            if text not in cls._seen:
+                cls._bytes += len(text)
+            cls._seen[text] = entry
+            cls._seen.move_to_end(text)
+            while len(cls._seen) > 1 and (len(cls._seen) > cls.KEEP or cls._bytes > cls.KEEP_BYTES):
+                cls._bytes -= len(cls._seen.popitem(last=False)[0])
 
     def _fast(self, raw: bytes, size: int, n: int) -> tuple[st.Header, bytes] | None:
         got = _first_info(raw)
         if got is None:
             return None
         info, end = got
-        hit = self._seen.get(raw[end:])
-        if hit is None:
-            return None
+        with self._lock:
+            hit = self._seen.get(raw[end:])
+            if hit is None:
+                return None
+            self._seen.move_to_end(raw[end:])
         tensors, packed, data_size = hit
         if size != 8 + n + data_size:
             raise FormatError(f"size is {size} bytes, header says {8 + n + data_size}")
