@@ -23,6 +23,19 @@ from vllm_servers import Server, require_vllm_python, server_args
 OPTIONS = ("--continuous-batching", "--prefill-step-size", str(BLOCK))
 
 
+def _schedule(folder: str, tmp_path, steps: list) -> subprocess.CompletedProcess:
+    """vllm-mlx's own Scheduler on ``folder`` with mlxcache's shared tier on a file:// store,
+    fed ``steps`` (tests/vllm_scheduler.py): its output lines, one JSON list per step."""
+    run = subprocess.run(
+        [require_vllm_python(), str(Path(__file__).parent / "vllm_scheduler.py"), folder,
+         f"file://{tmp_path}/cache", str(BLOCK)],
+        input="".join(json.dumps(s) + "\n" for s in steps), capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
 def _start(python: str, folder: str, cache: str | None, log, home) -> Server:
     args = server_args(python, folder, cache, cache is None)
     if cache is not None:  # our blocks: BLOCK tokens, the prefill step
@@ -73,13 +86,7 @@ def test_prompts_prefilled_together_store_no_chunks(tmp_path):
     p0, p1, p2 = _prompts(folder, *ASK, other)
     steps = [[[p0], False], [[p1], False], [[p0, p2], True], [[p1], True], [[p0], True],
              [[p1], True]]  # fmt: skip
-    run = subprocess.run(
-        [require_vllm_python(), str(Path(__file__).parent / "vllm_scheduler.py"), folder,
-         f"file://{tmp_path}/cache", str(BLOCK)],
-        input="".join(json.dumps(s) + "\n" for s in steps), capture_output=True, text=True,
-        timeout=300, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _schedule(folder, tmp_path, steps)
     lines = [json.loads(x) for x in run.stdout.splitlines()]
     (want0,), (want1,), batched, (alone,), (again,), (repeat,) = lines
     assert want0[0] == want1[0] == 0  # vllm-mlx's own answers, caches off
@@ -103,13 +110,7 @@ def test_a_window_document_stored_by_a_batch_is_completed_by_a_prompt_alone(tmp_
     third = [{"role": "user", "content": DOC + "Question: what is a block named by?"}]
     p0, p1, p2, p3 = _prompts(folder, *ASK, other, third)
     steps = [[[p3], False], [[p0, p2], True], [[p1], True], [[p3], True]]
-    run = subprocess.run(
-        [require_vllm_python(), str(Path(__file__).parent / "vllm_scheduler.py"), folder,
-         f"file://{tmp_path}/cache", str(BLOCK)],
-        input="".join(json.dumps(s) + "\n" for s in steps), capture_output=True, text=True,
-        timeout=300, check=False,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = _schedule(folder, tmp_path, steps)
     (want,), batched, (alone,), (third_,) = [json.loads(x) for x in run.stdout.splitlines()]
     assert want[0] == 0 and [cached for cached, _ in batched] == [0, 0]
     assert alone[0] == 0  # the document's blocks lack the window's part
