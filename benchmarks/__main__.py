@@ -59,6 +59,13 @@ def _sections(text: str) -> list[str]:
     return names
 
 
+def _names(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated names")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--sizes", type=_ints, default=None, help="KV cache sizes in tokens")
@@ -134,6 +141,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"markdown file whose generated section is rewritten (default {DEFAULT_DOC} for a "
         "full run of every section, none otherwise; 'none' to skip)",
+    )
+    p.add_argument(
+        "--engines",
+        type=_names,
+        default=None,
+        help="agents_servers: only the engines whose name holds one of these (comma-separated: "
+        "mlx-lm, mlx-vlm, vllm-mlx --continuous-batching, vllm-mlx default mode; default all)",
     )
     p.add_argument("--no-redis", action="store_true", help="skip everything that needs Redis")
     p.add_argument("--tmpdir", default=None, help="scratch folder (default: system temp)")
@@ -236,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             elif section == "agents_servers":
                 from benchmarks import agents_servers
 
-                out += agents_servers.run(ctx)
+                out += agents_servers.run(ctx, args.engines)
             elif section == "soak":
                 from benchmarks import soak
 
@@ -279,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         "scale_sizes": scale_sizes,
         "quant_lengths": quant_lengths,
         "restore_tokens": restore_tokens,
+        "engines": args.engines,
         "seconds": round(time.perf_counter() - started, 1),
         "command": "python -m benchmarks " + " ".join(argv if argv is not None else sys.argv[1:]),
     }
@@ -288,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(args.out, report.document(rows, machine, config, ctx.notes))
     print(f"wrote {args.out} ({config['seconds']} s)", file=sys.stderr)
     doc = args.doc
-    if doc is None and not smoke and list(args.only) == list(SECTIONS):
+    if doc is None and not smoke and list(args.only) == list(SECTIONS) and not args.engines:
         doc = DEFAULT_DOC
     if doc and doc != "none":
         from benchmarks import docgen

@@ -12,8 +12,11 @@ its own; two: both, under another salt).
 Counted per request: the tokens reusable (the longest prefix the prompt shares with an earlier
 prompt followed by its answer, as the server tokenizes them; all but the last token) and the
 server's ``usage.prompt_tokens_details.cached_tokens`` (stock vllm-mlx reports none: the change
-of ``tokens_saved`` in its ``GET /v1/cache/stats``). Greedy answers of ours are compared with the
-stock server's, request by request (one server with one, two with two).
+of ``tokens_saved`` in its ``GET /v1/cache/stats``, plus, in its default mode, the tokens of its
+system-prompt KV snapshots, which only its log names; ours counts those in ``cached_tokens``).
+Greedy answers of ours are compared with the stock server's, request by request (one server with
+one, two with two). ``run(ctx, engines)`` runs only the engines whose name holds one of
+``engines`` (``python -m benchmarks --only agents_servers --engines "default mode"``).
 """
 
 from __future__ import annotations
@@ -89,7 +92,9 @@ class Side:
         self.servers, self.salt, self.stock = servers, salt, stock
         self.vllm, self.stream = engine.vllm, engine.stream
         self.seen: list[list[int]] = []  # over both workloads: the servers keep their caches
-        self.snapshot = 0  # tokens of vllm-mlx's system-prompt snapshots among those reused
+        # tokens of vllm-mlx's system-prompt snapshot hits, as its log names them: stock, those
+        # it restores; ours, those it found (it may restore the longer prompt cache instead)
+        self.snapshot = 0
 
     def ask(self, i: int, messages: list[dict[str, str]], answer: int) -> tuple[str, int, int]:
         """(answer, prompt tokens, tokens reused) of request ``i`` (server ``i % n``)."""
@@ -100,10 +105,11 @@ class Side:
         text, n, cached = server.chat(messages, answer, self.salt, self.stream)
         if self.vllm and self.stock:  # vllm-mlx reports none: its stats' tokens_saved
             cached = server.saved() - before
-        if self.vllm:  # vllm-mlx's system-prompt snapshots (default mode), ours and stock
+        if self.vllm:  # vllm-mlx's system-prompt snapshots (default mode)
             snapshot = server.system_hits()
             self.snapshot += snapshot
-            cached = (cached or 0) + snapshot
+            if self.stock:  # in no usage of the stock server; ours counts them in cached_tokens
+                cached = (cached or 0) + snapshot
         return text, n, int(cached or 0)
 
     def workload(self, tokens: Any, sessions: list[list[list[dict[str, str]]]],
@@ -206,7 +212,7 @@ def _family(engine: Engine, group: str, family: str, size: dict[str, int], ctx: 
     return rows
 
 
-def run(ctx: Any) -> list[Row]:
+def run(ctx: Any, engines: list[str] | None = None) -> list[Row]:
     if not have("mlx_lm") or not have("mlx_vlm") or not agents_engines.CONFIGS.exists():
         ctx.note("mlx-lm, mlx-vlm or tests/families/mlx_lm_configs.json is missing: the agent "
                  "workload's server rows are left out.")  # fmt: skip
@@ -216,7 +222,10 @@ def run(ctx: Any) -> list[Row]:
     if not ctx.smoke and not vllm:
         ctx.note(f"no vllm-mlx venv at {agents_engines.VLLM_PYTHON}: its agent rows left out.")
     rows: list[Row] = []
-    for engine in agents_engines.engines(vllm):
+    chosen = [
+        e for e in agents_engines.engines(vllm) if not engines or any(n in e.name for n in engines)
+    ]
+    for engine in chosen:
         groups = {"sliding": engine.groups["sliding"]} if ctx.smoke else engine.groups
         if ctx.smoke and engine.name != "mlx-lm":
             continue

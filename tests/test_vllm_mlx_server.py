@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -127,12 +128,15 @@ def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
     assert second.chat() == (expected, prompt_tokens, prompt_tokens - 1)
     assert second.chat(salt="bob") == (expected, prompt_tokens, prompt_tokens - 1)  # stored
     assert second.chat(salt="carol") == (expected, prompt_tokens, 0)
-    # vllm-mlx's own system-prompt KV snapshots are the salt's own too
-    system = [{"role": "system", "content": TEXT}, {"role": "user", "content": "hello"}]
-    for salt in ("alice", "bob", "bob"):
-        second.chat(system, salt=salt)
+    # vllm-mlx's own system-prompt KV snapshots are the salt's own too; on another user turn
+    # the snapshot is the longest prefix held, and its tokens are reported
+    asks = (("alice", "hello"), ("bob", "hello"), ("bob", "goodbye"))
+    got = [second.chat([{"role": "system", "content": TEXT}, {"role": "user", "content": user}],
+                       salt=salt) for salt, user in asks]  # fmt: skip
     counters = second.get("/v1/cache/stats")["engine_cache"]["system_kv_cache"]["counters"]
     assert (counters["misses"], counters["hits"]) == (2, 1), counters
+    snapshot = re.findall(r"System KV cache HIT \(stream_chat\): reusing (\d+)", second.log())
+    assert got[2][2] == int(snapshot[-1]) > 0
     clients = Clients(second.url, NAME)
     n, read = clients.anthropic_stream(messages(TEXT)[1], {})[0]
     assert read == n - 1
@@ -250,7 +254,9 @@ NAMES = {
                                       "MLLMBatchGenerator._preprocess_request"],
     "vllm_mlx.engine.simple": ["SimpleEngine.__init__", "SimpleEngine.chat",
                                "SimpleEngine._submit_to_generation_worker",
-                               "SimpleEngine._run_blocking_serialized"],
+                               "SimpleEngine._run_blocking_serialized",
+                               "SimpleEngine._fetch_prefix_trie_cache",
+                               "SimpleEngine._peek_prefix_trie_tokens_saved"],
     "mlx_lm": ["stream_generate"],
 }
 def names():

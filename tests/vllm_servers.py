@@ -57,18 +57,46 @@ class Server:
             return json.load(r)
 
     def chat(
-        self, messages=CHAT, max_tokens: int = 8, salt: str | None = None, header: str | None = None
+        self,
+        messages=CHAT,
+        max_tokens: int = 8,
+        salt: str | None = None,
+        header: str | None = None,
+        stream: bool = False,
     ) -> tuple[str, int, int | None]:
         """(text, prompt_tokens, cached_tokens or None) of one greedy chat completion; ``salt``
-        goes in the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``."""
+        goes in the body's ``cache_salt``, ``header`` in ``X-Cache-Salt``; ``stream``: over
+        server-sent events, the usage from the final chunk."""
         body = {"model": NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
         body.update({} if salt is None else {"cache_salt": salt})
-        out = self.post(
-            "/v1/chat/completions", body, {} if header is None else {"X-Cache-Salt": header}
-        )
-        usage = out["usage"]
+        headers = {} if header is None else {"X-Cache-Salt": header}
+        if stream:
+            text, usage = self._streamed(body, headers)
+        else:
+            out = self.post("/v1/chat/completions", body, headers)
+            text, usage = out["choices"][0]["message"]["content"], out["usage"]
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return out["choices"][0]["message"]["content"], usage["prompt_tokens"], cached
+        return text, usage["prompt_tokens"], cached
+
+    def _streamed(self, body: dict, headers: dict) -> tuple[str, dict]:
+        """The text and the final usage of a streamed chat completion."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        req = urllib.request.Request(
+            self.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **headers},
+        )
+        parts, usage = [], None
+        with urllib.request.urlopen(req, timeout=180) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[len("data: ") :])
+                    for choice in chunk.get("choices") or ():
+                        parts.append((choice.get("delta") or {}).get("content") or "")
+                    usage = chunk.get("usage") or usage
+        assert usage is not None, "no usage chunk in the stream"
+        return "".join(parts), usage
 
     def log(self) -> str:
         self._log.flush()

@@ -14,8 +14,15 @@ with mlx-lm's ``make_sampler(temperature, top_p)`` on the restored cache). ``ins
   without one keeps the model's keys;
 - stores after each of the branch's prefill chunks on window and hybrid models
   (``trie_chunks.py``), under the tokens of the request's own lookup;
+- answers vllm-mlx's ``_peek_prefix_trie_tokens_saved`` under those keys: with a KV snapshot
+  of the request's system prompt, vllm-mlx takes the prompt cache only when the peek says it
+  saves more tokens than the snapshot, and the peek read mlx-lm's trie by the model object,
+  found nothing and left the snapshot to win. It now reads the hot trie by vllm-mlx's own rule
+  and the shared tier's ``longest`` (no record read), and the cache is never "empty" to
+  vllm-mlx's fast path while the shared tier is on: the longer of the two wins;
 - reports the reused tokens in the prompt count (``usage.PromptCount``): OpenAI's
-  ``cached_tokens`` and Anthropic's ``cache_read_input_tokens``.
+  ``cached_tokens`` and Anthropic's ``cache_read_input_tokens``, the snapshot's tokens when the
+  snapshot wins (vllm-mlx itself reports none of either).
 
 vllm-mlx itself keeps a request off that branch when it has ``stop``, ``top_k``, ``min_p``,
 presence or repetition penalties, logits processors, ``--max-kv-size``, MTP or SpecPrefill:
@@ -52,6 +59,28 @@ def _trie_class(config: TierConfig) -> type:
         return Salted(names[id(model)][1], salt) if salt else names[id(model)][1]
 
     class ModelNamedPromptCache(SharedPromptCache):
+        def __bool__(self) -> bool:
+            # vllm-mlx skips an "empty" cache when it holds a system-prompt snapshot: the
+            # shared tier may hold what this process's hot tier does not
+            return self.backend is not None or len(self) > 0
+
+        def tokens_saved(self, model: Any, tokens: list[int], peek: Any) -> int | None:
+            """What ``fetch_nearest_cache(model, tokens)`` reuses at most, copying nothing:
+            ``peek`` (vllm-mlx's own rule) on the hot trie under this cache's key, or the
+            shared tier's ``longest`` when longer (at most all but the last token)."""
+            key = name(model)
+            hot = peek(self, key, tokens)
+            have = hot or 0
+            if self.backend is None or have >= len(tokens) - 1:
+                return hot
+            try:
+                pc = self.prefix_cache(key)
+                shared = pc.longest(tokens[:-1], have=have) if pc is not None else have
+            except Exception as e:  # a failing store is a miss, never an error in the server
+                log.warning("mlx-lm prompt cache: peek failed, in memory only: %s", e)
+                return hot
+            return shared if shared > have else hot
+
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> Any:
             key = name(model)
             trie_chunks.looked_up(self, key, tokens)  # the chunks of this call store under it
@@ -89,14 +118,28 @@ def _shared_trie(config: TierConfig) -> Any:
 
 
 def _counted_fetch(fetch: Any) -> Any:
-    """``_fetch_prefix_trie_cache`` that keeps the tokens it reused on the engine."""
+    """``_fetch_prefix_trie_cache`` that keeps the tokens the request reuses on the engine:
+    the prompt cache's, or, when it does not beat the system-prompt snapshot vllm-mlx holds
+    (``minimum_tokens_saved``, the snapshot's tokens), the snapshot's, which vllm-mlx restores."""
 
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = fetch(self, *args, **kwargs)
-        self._mlxcache_reused = (getattr(self, "_mlxcache_reused", (0, 0))[0] + 1, out[2])
+    def counted(self: Any, model: Any, tokens: list[int], *,
+                minimum_tokens_saved: int = 0) -> Any:  # fmt: skip
+        out = fetch(self, model, tokens, minimum_tokens_saved=minimum_tokens_saved)
+        reused = out[2] if out[0] is not None else minimum_tokens_saved
+        self._mlxcache_reused = (getattr(self, "_mlxcache_reused", (0, 0))[0] + 1, reused)
         return out
 
     return counted
+
+
+def _peek(original: Any) -> Any:
+    """``SimpleEngine._peek_prefix_trie_tokens_saved`` asking mlxcache's cache, under its keys."""
+
+    def peek(prefix_trie: Any, model: Any, tokens: list[int]) -> int | None:
+        own = getattr(prefix_trie, "tokens_saved", None)
+        return original(prefix_trie, model, tokens) if own is None else own(model, tokens, original)
+
+    return staticmethod(peek)
 
 
 def _reported(stream_chat: Any) -> Any:
@@ -154,6 +197,7 @@ def install(config: TierConfig) -> None:
         init=SimpleEngine.__init__,
         ensure=SimpleEngine._ensure_prefix_trie_cache,
         fetch=SimpleEngine._fetch_prefix_trie_cache,
+        peek=SimpleEngine.__dict__["_peek_prefix_trie_tokens_saved"],
         stream=SimpleEngine._stream_chat_impl,
         chat=SimpleEngine.chat,
     )
@@ -166,6 +210,7 @@ def install(config: TierConfig) -> None:
     SimpleEngine.__init__ = __init__
     SimpleEngine._ensure_prefix_trie_cache = _shared_trie(config)
     SimpleEngine._fetch_prefix_trie_cache = _counted_fetch(_saved["fetch"])
+    SimpleEngine._peek_prefix_trie_tokens_saved = _peek(SimpleEngine._peek_prefix_trie_tokens_saved)
     SimpleEngine._stream_chat_impl = _reported(_saved["stream"])
     SimpleEngine.chat = _chat_via_stream(_saved["chat"])
     trie_chunks.install()
@@ -180,6 +225,7 @@ def uninstall() -> None:
     SimpleEngine.__init__ = _saved["init"]
     SimpleEngine._ensure_prefix_trie_cache = _saved["ensure"]
     SimpleEngine._fetch_prefix_trie_cache = _saved["fetch"]
+    SimpleEngine._peek_prefix_trie_tokens_saved = _saved["peek"]
     SimpleEngine._stream_chat_impl = _saved["stream"]
     SimpleEngine.chat = _saved["chat"]
     trie_chunks.uninstall()

@@ -10,10 +10,11 @@ cache goes to ``SharedPromptCache.store_prefill`` (a state checkpoint at chunk e
 stride, window blocks), keyed as the branch's own lookup (model identity and the request's salt).
 
 The tokens stored under are those of the lookup made in the same call on vllm-mlx's generation
-worker (``_run_blocking_serialized``), taken once: a call without a lookup (vllm-mlx's
-system-prompt KV hit on an empty trie) or a lookup that does not end in the prompt being
-prefilled stores nothing, so a store never goes under another request's tokens. The stores read
-copies: vllm-mlx computes exactly what it computes without them.
+worker (``_run_blocking_serialized``), taken once: a call without a lookup (vllm-mlx restoring
+its system-prompt KV snapshot, the peek having found nothing longer) or a lookup that does not
+end in the prompt being prefilled stores nothing, so a store never goes under another request's
+tokens. (A lookup that then loses to the snapshot still ends in the prompt prefilled after it.)
+The stores read copies: vllm-mlx computes exactly what it computes without them.
 """
 
 from __future__ import annotations
