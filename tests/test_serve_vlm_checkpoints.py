@@ -72,8 +72,10 @@ def test_checkpoints_are_shared_with_a_second_server_and_a_restart(family, tmp_p
         # another question on the same image: the stock server's checkpoint serves only its
         # own length; ours rebuilds Gemma 3's window layers at a block boundary of the shared
         # part (stored after each prefill chunk: test_serve_vlm_windows.py checks its answer
-        # where it lies on the stock server's splits), and Qwen3.5's state only where stored;
-        # another tenant's salt finds nothing either
+        # where it lies on the stock server's splits), and Qwen3.5's state only where stored
+        # (nothing before this branch: a miss, which ends a chunk at its branch point, 128, and
+        # leaves a checkpoint there, test_serve_vlm_branches.py; the split leaves these tokens
+        # the stock server's); another tenant's salt finds nothing either
         branch = [user_turn(["A"], LONG + " Is there a circle?")]
         stock_branch = stock.send(branch)
         got = second.send(branch)

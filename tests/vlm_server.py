@@ -49,13 +49,20 @@ class VlmServer:
     """The server in a subprocess on a free loopback port; its log goes to a file."""
 
     def __init__(
-        self, model: str, cache: str | None, log_path, *extra: str, plain=False, apc=False
+        self,
+        model: str,
+        cache: str | None,
+        log_path,
+        *extra: str,
+        plain=False,
+        apc=False,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **(env or {}))
         env.pop("APC_ENABLED", None)
         if plain and apc:  # mlx-vlm's own APC, in its process only (no disk tier)
             env.update(APC_ENABLED="1", APC_DISK_ENABLED="0")

@@ -13,7 +13,8 @@ lengths): both keep mlx-vlm's in-process entries and go to the same ``PrefixCach
 (``checkpoints.py``), so those models are shared and kept over a restart as well; with the
 stores after each prefill chunk (``chunk_stores.py``, ``store_prefill``) a prompt that branches
 inside a stored one resumes at its last shared block boundary (window layers) or stride
-checkpoint (recurrent layers).
+checkpoint (recurrent layers), and on recurrent layers it is checkpointed at its branch point
+(``branches.py``) for the next request that branches there.
 
 Why not mlx-vlm's memory pool: ``apc_lookup_plan`` drops a pool hit whose prefix holds image
 tokens, and its disk lookup gives way to the pool whenever the pool holds the first block; so
@@ -39,6 +40,8 @@ from mlx_vlm import apc as _apc
 
 from mlxcache import hashing
 from mlxcache.integrations.mlx_vlm import checkpoints
+from mlxcache.integrations.mlx_vlm.branches import Branches
+from mlxcache.integrations.resume import holds_state
 from mlxcache.integrations.serve_errors import ServeErrors
 from mlxcache.prefix import PrefixCache
 
@@ -99,6 +102,9 @@ class SharedAPCManager(_apc.APCManager):
         # False once the server's self-check found block mode: its exact lookups stay mlx-vlm's
         # (the block path above reads the store); unknown (True) asks the store
         self.checkpoint_mode = True
+        # True once the self-check found state layers (ArraysCache): lookups find branch points
+        self.states = False
+        self.branches = Branches()
 
     def lookup_prefix(self, token_ids: Sequence[int], extra_hash: int = 0):
         """The block pool is off: the prefix cache (and its hot tier) answers instead."""
@@ -185,33 +191,61 @@ class SharedAPCManager(_apc.APCManager):
     ) -> tuple[list[Any] | None, int]:
         """mlx-vlm's in-process checkpoint, else a longer prefix the shared store rebuilds
         (another server's, or this one's before a restart): a stored length, or a block boundary
-        or stride checkpoint stored after a prefill chunk (``checkpoints.lookup``)."""
+        or stride checkpoint stored after a prefill chunk (``checkpoints.lookup``).
+
+        With state layers, the prompt's branch point past the answer is found and kept for its
+        prefill (``branches.py``; one ``longest``, only when the answer falls short of it).
+        """
         cache, n = super().lookup_exact_cache(
             token_ids, extra_hash, max_prefix_tokens, min_prefix_tokens
         )
         if not self.checkpoint_mode:
             return cache, n
+        images = request_images(self.digests, extra_hash)
         shared = checkpoints.lookup(
             self.prefix,
             token_ids,
-            request_images(self.digests, extra_hash),
+            images,
             max_prefix_tokens=max_prefix_tokens,
             above=max(min_prefix_tokens, n),
             errors=self.errors,
         )
-        if shared is None:
-            return cache, n
-        with self.lock:  # an in-process hit it replaces was counted already
-            self.stats.hits += 0 if n else 1
-            self.stats.exact_hits += 0 if n else 1
-            self.stats.disk_hits += 1
-            self.stats.matched_tokens += shared[1] - n
-        return shared
+        if shared is not None:
+            with self.lock:  # an in-process hit it replaces was counted already
+                self.stats.hits += 0 if n else 1
+                self.stats.exact_hits += 0 if n else 1
+                self.stats.disk_hits += 1
+                self.stats.matched_tokens += shared[1] - n
+            cache, n = shared
+        if self.states and not max_prefix_tokens:
+            # past the hit and the shortest hit mlx-vlm takes (the end of the last image)
+            self.branches.find(
+                self.prefix, token_ids, images, extra_hash, max(n, min_prefix_tokens)
+            )
+        return cache, n
 
     def store_exact_cache(
         self, token_ids: Sequence[int], prompt_cache: Sequence[Any], *, extra_hash: int = 0
     ) -> bool:
-        """mlx-vlm's in-process checkpoint, and the same state in the shared prefix cache."""
+        """mlx-vlm's in-process checkpoint, and the same state in the shared prefix cache.
+
+        A branch point's checkpoint (``branches.py``) goes to the shared store only, as a
+        mid-prefill store (its blocks and state; no hot entry), and returns False, so mlx-vlm's
+        in-process entries and bookkeeping stay as they are without it.
+        """
+        if self.branches.is_store(token_ids, extra_hash):
+            written = checkpoints.store(
+                self.prefix,
+                token_ids,
+                prompt_cache,
+                request_images(self.digests, extra_hash),
+                min_tokens=self.prefix.block_size,
+                errors=self.errors,
+                mid_prefill=True,
+            )
+            with self.lock:
+                self.stats.stored_tokens += written
+            return False
         kept = super().store_exact_cache(token_ids, prompt_cache, extra_hash=extra_hash)
         written = checkpoints.store(
             self.prefix,
@@ -260,6 +294,8 @@ class SharedAPCManager(_apc.APCManager):
         """mlx-vlm's APC stats (``/v1/cache/stats``) plus the prefix cache's under ``mlxcache``."""
         snap = super().stats_snapshot()
         snap["mlxcache"] = self.prefix.stats()
+        snap["mlxcache"]["branch_points"] = self.branches.taken
+        snap["mlxcache"]["branch_points_stored"] = self.branches.stored
         return snap
 
     def close(self) -> None:
@@ -334,16 +370,17 @@ def install(
     done.replace(_apc, "hash_image_payload", hash_image_payload)
     done.replace(_apc, "from_env", from_env)
 
-    def on_mode(mode: str | None) -> None:  # the server checks the model its newest manager serves
+    def on_mode(mode: str | None, states: bool) -> None:  # the model of the newest manager
         if done.managers:
             done.managers[-1].checkpoint_mode = mode != "block"
+            done.managers[-1].states = states and mode != "block"
 
     done.replace(_apc, "self_check_model_apc", _self_check(_apc.self_check_model_apc, on_mode))
     return done
 
 
 def _self_check(
-    original: Callable[..., Any], on_mode: Callable[[str | None], None]
+    original: Callable[..., Any], on_mode: Callable[[str | None, bool], None]
 ) -> Callable[..., Any]:
     """mlx-vlm's APC self-check without its false alarm, and one line saying what is cached.
 
@@ -351,19 +388,20 @@ def _self_check(
     generator then builds one default cache per layer (``models.cache.make_prompt_cache``) and
     its APC runs in block mode (``model_apc_mode``): that layout is checked instead. The
     server runs it right after loading the model of its newest manager: ``on_mode`` gets the
-    mode found.
+    mode found, and whether the cache has state layers (``resume.holds_state``).
     """
 
     def self_check_model_apc(model: Any, *, kv_bits: Any = None, log: bool = True) -> Any:
+        from mlx_vlm.models.cache import make_prompt_cache
+
         language_model = getattr(model, "language_model", model)
         if hasattr(language_model, "make_cache"):
             result = original(model, kv_bits=kv_bits, log=False)
+            caches = language_model.make_cache()
         else:
-            from mlx_vlm.models.cache import make_prompt_cache
-
             caches = make_prompt_cache(language_model)
             result = _apc.validate_prompt_cache_layout(caches, apc_mode="block")
-        on_mode(getattr(result, "apc_mode", None))
+        on_mode(getattr(result, "apc_mode", None), holds_state(caches))
         if log and result.ok:
             kinds = ",".join(sorted(set(result.layer_types))) or "-"
             logging.getLogger("mlxcache").info(
