@@ -14,10 +14,15 @@ prompt followed by its answer, as the server tokenizes them; all but the last to
 server's ``usage.prompt_tokens_details.cached_tokens`` (stock vllm-mlx reports none: the change
 of ``tokens_saved`` in its ``GET /v1/cache/stats``). Greedy answers of ours are compared with the
 stock server's, request by request (one server with one, two with two).
+
+``MLXCACHE_AGENTS_ENGINES`` (comma-separated, e.g. ``mlx-lm`` or ``mlx-lm,vllm-mlx``) runs only
+the engines whose name starts with one of its entries (names: ``mlx-lm``, ``mlx-vlm``,
+``vllm-mlx --continuous-batching``, ``vllm-mlx default mode``); unset, every engine runs.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import uuid
@@ -206,6 +211,12 @@ def _family(engine: Engine, group: str, family: str, size: dict[str, int], ctx: 
     return rows
 
 
+def _chosen(name: str) -> bool:
+    """Whether ``MLXCACHE_AGENTS_ENGINES`` (unset: every engine) names the engine ``name``."""
+    wanted = [w.strip() for w in os.environ.get("MLXCACHE_AGENTS_ENGINES", "").split(",")]
+    return not any(wanted) or any(w and name.startswith(w) for w in wanted)
+
+
 def run(ctx: Any) -> list[Row]:
     if not have("mlx_lm") or not have("mlx_vlm") or not agents_engines.CONFIGS.exists():
         ctx.note("mlx-lm, mlx-vlm or tests/families/mlx_lm_configs.json is missing: the agent "
@@ -213,12 +224,15 @@ def run(ctx: Any) -> list[Row]:
         return []
     size = SMOKE if ctx.smoke else FULL
     vllm = not ctx.smoke and Path(agents_engines.VLLM_PYTHON).exists()
-    if not ctx.smoke and not vllm:
+    if not ctx.smoke and not vllm and _chosen("vllm-mlx"):
         ctx.note(f"no vllm-mlx venv at {agents_engines.VLLM_PYTHON}: its agent rows left out.")
+    if os.environ.get("MLXCACHE_AGENTS_ENGINES", "").strip():
+        ctx.note(f"agents_servers: MLXCACHE_AGENTS_ENGINES="
+                 f"{os.environ['MLXCACHE_AGENTS_ENGINES']}: only those engines run.")  # fmt: skip
     rows: list[Row] = []
     for engine in agents_engines.engines(vllm):
         groups = {"sliding": engine.groups["sliding"]} if ctx.smoke else engine.groups
-        if ctx.smoke and engine.name != "mlx-lm":
+        if (ctx.smoke and engine.name != "mlx-lm") or not _chosen(engine.name):
             continue
         for group, family in groups.items():
             if group in engine.unserved:
