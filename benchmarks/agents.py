@@ -1,9 +1,10 @@
 """The agent workload (issue 26): a shared system prompt and a shared document, per family group.
 
-Per family group (dense: glm; sliding window: olmo3; chunked attention: llama4_text;
-recurrent: qwen3_5), tiny random-weight mlx-lm models of mlx-lm's own test dimensions
-(``tests/families/mlx_lm_configs.json``), greedy, through ``mlxcache.integrations.mlx_lm``
-(``prefill`` + ``decode``) on a ``PrefixCache`` (``file://``, block ``block``):
+Per family group (dense: glm; sliding window: olmo3, a 128-token window; chunked attention:
+llama4, chunked at 128 tokens; recurrent: qwen3_5), tiny random-weight mlx-lm models of mlx-lm's
+own test dimensions (``agents_engines.lm_config``: the server rows' models; each checked to make
+its group's cache layers), greedy, through ``mlxcache.integrations.mlx_lm`` (``prefill`` +
+``decode``) on a ``PrefixCache`` (``file://``, block ``block``):
 
 - **chat**: ``conversations`` conversations share a ``system``-token system prompt, each with
   ``turns`` turns (a ``user``-token message, then the model's ``answer``-token reply, both kept
@@ -27,20 +28,15 @@ tokens holds): the cost of tails and recurrent checkpoints. Counts, not times: n
 from __future__ import annotations
 
 import copy
-import importlib
-import json
 import uuid
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks import agents_shapes, agents_vlm
+from benchmarks import agents_engines, agents_shapes, agents_vlm
 from benchmarks.common import Row, Stats, have
 
 SECTION = "agents"
-CONFIGS = Path(__file__).resolve().parent.parent / "tests" / "families" / "mlx_lm_configs.json"
-GROUPS = {"dense": "glm", "sliding": "olmo3", "chunked": "llama4_text", "recurrent": "qwen3_5"}
 FULL = {"system": 1024, "document": 2048, "block": 256, "conversations": 8, "turns": 3,
         "questions": 8, "user": 64, "answer": 16}  # fmt: skip
 SMOKE = {"system": 64, "document": 64, "block": 16, "conversations": 3, "turns": 2,
@@ -50,10 +46,7 @@ SMOKE = {"system": 64, "document": 64, "block": 16, "conversations": 3, "turns":
 def _model(name: str) -> Any:
     import mlx.core as mx
 
-    config = json.loads(CONFIGS.read_text())[name]
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    mx.random.seed(0)
-    model = arch.Model(arch.ModelArgs.from_dict(config))
+    model = agents_engines.lm_model(agents_engines.lm_config(name))
     mx.eval(model.parameters())
     return model
 
@@ -187,7 +180,7 @@ def _servers(model: Any, uri: str, block: int, salt: str) -> list[tuple[str, Any
 
 
 def _count_row(group: str, name: str, kind: str, who: str, reused: int, reusable: int,
-               note: str = "") -> Row:  # fmt: skip
+               note: str = "", layers: list[str] | None = None) -> Row:  # fmt: skip
     share = reused / reusable if reusable else None
     return Row(
         SECTION,
@@ -199,24 +192,26 @@ def _count_row(group: str, name: str, kind: str, who: str, reused: int, reusable
         ratio=share,
         ratio_kind="tokens reused / reusable",
         note=note,
+        extra={} if layers is None else {"cache_layers": layers},
     )
 
 
 def run(ctx: Any) -> list[Row]:
-    if not have("mlx_lm") or not CONFIGS.exists():
+    if not have("mlx_lm") or not agents_engines.CONFIGS.exists():
         ctx.note("mlx-lm or tests/families/mlx_lm_configs.json is missing: agents rows left out.")
         return []
     size = SMOKE if ctx.smoke else FULL
     rows: list[Row] = []
-    for group, name in GROUPS.items():
+    for group, name in agents_engines.LM_GROUPS.items():
         model = _model(name)
+        layers = agents_engines.cache_layers(group, model)
         for kind in ("chat", "document"):
             uri = f"file://{ctx.tmpdir / 'agents'}"
             salt = uuid.uuid4().hex
             block = size["block"]
             for who, make, workers in _servers(model, uri, block, salt):
                 got = _workload(make, size, kind, workers)
-                rows.append(_count_row(group, name, kind, who, *got))
+                rows.append(_count_row(group, name, kind, who, *got, layers=layers))
             total, blocks = _bytes(uri, "agents-bench", salt, block)
             rows.append(
                 Row(

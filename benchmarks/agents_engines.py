@@ -37,20 +37,59 @@ CONFIGS = ROOT / "tests" / "families" / "mlx_lm_configs.json"
 VLLM_PYTHON = os.environ.get("MLXCACHE_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 NAME = "tiny"  # the served model name (vllm-mlx requires "model" in every request)
 LM_GROUPS = {"dense": "glm", "sliding": "olmo3", "chunked": "llama4", "recurrent": "qwen3_5"}
+# the cache class that makes a model a member of its group (mlx-lm 0.32's llama4_text makes
+# plain KVCache layers: llama4's are chunked), checked on every model the benchmarks build
+GROUP_CACHE = {"dense": "KVCache", "sliding": "RotatingKVCache", "chunked": "ChunkedKVCache",
+               "recurrent": "ArraysCache"}  # fmt: skip
 # llama4's chunked layers at 128 tokens (the test configs' 8 would be a quarter block): a
-# conversation's prompt crosses chunk ends; llama4_text has no chunked layers in mlx-lm
+# conversation's prompt crosses chunk ends
 CHUNK = 128
 SCALE = 4.0
 VLM_GROUPS = {"dense": "qwen2_vl", "sliding": "gemma3", "recurrent": "qwen3_5"}
 
 
-def lm_folder(family: str, path: Path) -> Path:
-    """A model folder ``mlx_lm.load`` opens offline: the tiny llama's tokenizer and seeded random
-    weights of ``family`` at mlx-lm's test dimensions, an untied head and the embeddings scaled
-    (as ``build_tiny_vlm``'s) so the greedy answer depends on the prompt; the head never picks
-    a special token or a non-ASCII byte, so an answer's text re-tokenizes."""
+def lm_config(family: str) -> dict[str, Any]:
+    """mlx-lm's test config of ``family`` (tests/families/mlx_lm_configs.json), with llama4's
+    chunked layers at ``CHUNK`` tokens: the one place the benchmarks' tiny configs are made."""
+    cfg: dict[str, Any] = json.loads(CONFIGS.read_text())[family]
+    if "attention_chunk_size" in cfg.get("text_config", {}):
+        cfg["text_config"]["attention_chunk_size"] = CHUNK
+    return cfg
+
+
+def cache_layers(group: str, model: Any) -> list[str]:
+    """The class names of ``model``'s cache layers; raises unless they make it a member of
+    ``group`` (``GROUP_CACHE``: dense holds KVCache only), so a row cannot be mislabelled."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    names = [type(c).__name__ for c in make_prompt_cache(model)]
+    want = GROUP_CACHE[group]
+    if not (set(names) == {want} if group == "dense" else want in names):
+        raise ValueError(f"the {group} group needs {want} layers; this model makes {names}")
+    return names
+
+
+def lm_model(cfg: dict[str, Any]) -> Any:
+    """A seeded random-weight mlx-lm model of ``cfg``, its group's cache layers checked when
+    its family is one of ``LM_GROUPS``."""
     import importlib
 
+    import mlx.core as mx
+
+    arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
+    mx.random.seed(0)
+    model = arch.Model(arch.ModelArgs.from_dict(cfg))
+    for group, family in LM_GROUPS.items():
+        if family == cfg["model_type"]:
+            cache_layers(group, model)
+    return model
+
+
+def lm_folder(family: str, path: Path) -> Path:
+    """A model folder ``mlx_lm.load`` opens offline: the tiny llama's tokenizer and seeded random
+    weights of ``family`` at mlx-lm's test dimensions (``lm_config``), an untied head and the
+    embeddings scaled (as ``build_tiny_vlm``'s) so the greedy answer depends on the prompt; the
+    head never picks a special token or a non-ASCII byte, so an answer's text re-tokenizes."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from tokenizers import Tokenizer
@@ -60,13 +99,11 @@ def lm_folder(family: str, path: Path) -> Path:
 
     out = build_tiny_lm(path)
     base = json.loads((out / "config.json").read_text())
-    cfg = json.loads(CONFIGS.read_text())[family]
+    cfg = lm_config(family)
     cfg.update({k: base[k] for k in ("vocab_size", "bos_token_id", "eos_token_id")})
     if "text_config" in cfg:
-        cfg["text_config"].update(vocab_size=base["vocab_size"], attention_chunk_size=CHUNK)
-    arch = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
-    mx.random.seed(0)
-    weights = dict(tree_flatten(arch.Model(arch.ModelArgs.from_dict(cfg)).parameters()))
+        cfg["text_config"].update(vocab_size=base["vocab_size"])
+    weights = dict(tree_flatten(lm_model(cfg).parameters()))
     never = never_ids(Tokenizer.from_file(str(out / "tokenizer.json")))
     keep = mx.ones((int(cfg["vocab_size"]), 1)).at[mx.array(never)].multiply(0.0)
     heads = [k for k in weights if k.endswith("lm_head.weight")]

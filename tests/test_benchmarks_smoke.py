@@ -143,7 +143,7 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
         for group in (
             "dense (glm)",
             "sliding (olmo3)",
-            "chunked (llama4_text)",
+            "chunked (llama4)",
             "recurrent (qwen3_5)",
         ):
             for who in AGENT_WORKERS:
@@ -166,6 +166,12 @@ def test_smoke_run_writes_expected_rows(tmp_path: Path) -> None:
     # agents: a second worker on the shared store reuses what the first does; two mlx-lm
     # servers (one LRU each) reuse less; block-granular layers reuse what a dense model does
     reused = {k: by_name[v]["stats"]["median"] for k, v in agents.items()}
+    # each group's model makes that group's cache layers (llama4_text would make KVCache only)
+    want = {"dense": "KVCache", "sliding": "RotatingKVCache", "chunked": "ChunkedKVCache",
+            "recurrent": "ArraysCache"}  # fmt: skip
+    for (group, _), name in agents.items():
+        layers = by_name[name]["extra"]["cache_layers"]
+        assert want[group.split()[0]] in layers, (group, layers)
     for group in {g for g, _ in agents}:
         one, two = reused[group, "mlxcache, one worker"], reused[group, "mlxcache, two workers"]
         assert one == two, (group, one, two)
