@@ -69,7 +69,7 @@ def _sessions(size: dict[str, int], kind: str) -> list[list[list[int]]]:
     return [[doc + _ids(rng, size["user"])] for _ in range(size["questions"])]
 
 
-def _shared(prompt: list[int], seen: list[list[int]]) -> int:
+def shared_prefix(prompt: list[int], seen: list[list[int]]) -> int:
     """The reusable tokens of ``prompt``: its longest common prefix with a sequence computed
     before, all but its last token."""
     best = 0
@@ -142,7 +142,7 @@ def _workload(make: Any, size: dict[str, int], kind: str, workers: int) -> tuple
                 if turn >= len(messages):
                     continue
                 prompt = history[i] + messages[turn]
-                reusable += _shared(prompt, seen)
+                reusable += shared_prefix(prompt, seen)
                 got, answer = pool[i % workers].ask(prompt, size["answer"])
                 reused += got
                 history[i] = prompt + answer

@@ -22,15 +22,15 @@ import json
 import os
 import re
 import signal
-import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from benchmarks.http_server import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "tests" / "families" / "mlx_lm_configs.json"
@@ -159,40 +159,19 @@ class VlmTokens:
         return list(self.tok.encode(text, add_special_tokens=False))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class HttpServer:
     """One server subprocess on a free loopback port (its own ``$HOME``), log to a file."""
 
     def __init__(self, args: list[str], log: Path, home: Path, env: dict[str, str],
                  model: str | None) -> None:  # fmt: skip
-        self.port, self.model = _free_port(), model
+        self.model = model
         home.mkdir(parents=True, exist_ok=True)  # vllm-mlx's own disk cache lives under ~
         full = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HOME=str(home))
         full["PYTHONPATH"] = str(ROOT)  # this checkout's mlxcache, in the vllm-mlx venv too
         full.pop("APC_ENABLED", None)
         full.update(env)
         self.log_path, self._read = log, log.stat().st_size if log.exists() else 0
-        self._log = open(log, "ab")  # noqa: SIM115 - closed in kill()
-        cmd = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=full, cwd=ROOT, stdout=self._log,
-                                     stderr=subprocess.STDOUT)  # fmt: skip
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.kill()
-                    raise RuntimeError(f"{' '.join(args[:4])} did not start; see {log}") from None
-                time.sleep(0.3)
+        self.proc, self.port, self._log = launch(args, full, log, cwd=ROOT)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

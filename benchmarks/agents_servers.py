@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import agents_engines
+from benchmarks.agents import shared_prefix
 from benchmarks.agents_engines import Engine, HttpServer
 from benchmarks.common import Row, Stats, have
 
@@ -70,18 +71,6 @@ def _sessions(tokens: Any, size: dict[str, int], kind: str) -> list[list[list[di
         ]
     doc = _text(rng, tokens, size["document"])
     return [[user(size["user"], f"{doc}\nQuestion: ")] for _ in range(size["questions"])]
-
-
-def _shared(prompt: list[int], seen: list[list[int]]) -> int:
-    """The longest prefix ``prompt`` shares with a sequence computed before, but its last token."""
-    best = 0
-    for s in seen:
-        n = min(len(s), len(prompt) - 1)
-        i = 0
-        while i < n and s[i] == prompt[i]:
-            i += 1
-        best = max(best, i)
-    return best
 
 
 class Side:
@@ -125,7 +114,7 @@ class Side:
                 prompt = history[i] + turns[turn]
                 ids = tokens.prompt(prompt)
                 text, n, reused = self.ask(i, prompt, answer)
-                out["reusable"] += _shared(ids, self.seen)
+                out["reusable"] += shared_prefix(ids, self.seen)
                 out["reused"] += reused
                 out["mismatch"] += n != len(ids)
                 out["answers"].append(text)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Row, Stats, evaluate, have, time_runs
+from benchmarks.http_server import launch
 
 SECTION = "server"
 # about 6 M parameters: a 2k-token prefill takes seconds on a busy 2-core CPU; KV 16 MB (fp32)
@@ -39,31 +39,10 @@ BENCH_MODEL = {
 WORDS = "the cache keeps what the model has already computed so a repeated prompt skips it".split()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     def __init__(self, args: list[str], log: Path) -> None:
-        self.port = _free_port()
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        self._log = open(log, "ab")
-        cmd = [sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(self.url("/health"), timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"{args[0]} did not start; see {log}") from None
-                time.sleep(0.2)
+        self.proc, self.port, self._log = launch([sys.executable, "-m", *args], env, log)
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"

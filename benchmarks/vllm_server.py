@@ -27,7 +27,6 @@ import io
 import json
 import os
 import signal
-import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Row, Stats
+from benchmarks.http_server import launch
 
 SECTION = "server"
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,14 +46,6 @@ VLM = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
        "num_attention_heads": 8, "num_key_value_heads": 2}  # fmt: skip
 WORDS = "the cache keeps what the model has already computed so a repeated prompt skips it".split()
 LABELS = ("cold", "warm, same process", "warm, second live server", "after a restart (SIGKILL)")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _image(seed: int) -> str:
@@ -81,24 +73,9 @@ class _Server:
     """One vllm-mlx server subprocess on a free loopback port; its log goes to a file."""
 
     def __init__(self, args: list[str], log: Path, home: Path) -> None:
-        self.port = _free_port()
         home.mkdir(parents=True, exist_ok=True)  # vllm-mlx's own disk cache lives under ~
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HOME=str(home))
-        cmd = [*args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd, env=env, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT
-        )
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"vllm-mlx server did not start; see {log}") from None
-                time.sleep(0.3)
+        self.proc, self.port, self._log = launch(args, env, log, cwd=ROOT)
 
     def ask(self, messages: list[dict[str, Any]]) -> tuple[float, int, str]:
         """(seconds to a one-token answer, prompt tokens, its ``cached_tokens`` as text)."""

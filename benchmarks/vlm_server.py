@@ -21,7 +21,6 @@ import io
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Row, Stats, have
+from benchmarks.http_server import launch
 
 SECTION = "server"
 BENCH_MODEL = {
@@ -40,14 +40,6 @@ BENCH_MODEL = {
     "num_key_value_heads": 2,
 }
 WORDS = "the cache keeps what the model has already computed so a repeated prompt skips it".split()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _image(seed: int) -> str:
@@ -62,21 +54,8 @@ def _image(seed: int) -> str:
 
 class _Server:
     def __init__(self, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.port = _free_port()
         full = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env)
-        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", *args, "--host", "127.0.0.1", "--port", str(self.port)]
-        self.proc = subprocess.Popen(cmd, env=full, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2):
-                    break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError(f"{args[0]} did not start; see {log}") from None
-                time.sleep(0.3)
+        self.proc, self.port, self._log = launch([sys.executable, "-m", *args], full, log)
 
     def ask(self, model: str, text: str, image: str) -> tuple[float, int, int]:
         """(seconds to a one-token answer, prompt tokens, cached tokens)."""

@@ -234,17 +234,7 @@ class SharedAPCManager(_apc.APCManager):
         in-process entries and bookkeeping stay as they are without it.
         """
         if self.branches.is_store(token_ids, extra_hash):
-            written = checkpoints.store(
-                self.prefix,
-                token_ids,
-                prompt_cache,
-                request_images(self.digests, extra_hash),
-                min_tokens=self.prefix.block_size,
-                errors=self.errors,
-                mid_prefill=True,
-            )
-            with self.lock:
-                self.stats.stored_tokens += written
+            self._store_mid_prefill(token_ids, prompt_cache, extra_hash)
             return False
         kept = super().store_exact_cache(token_ids, prompt_cache, extra_hash=extra_hash)
         written = checkpoints.store(
@@ -277,6 +267,13 @@ class SharedAPCManager(_apc.APCManager):
         """
         if not checkpoints.prefill_store_due(self.prefix, len(token_ids), prompt_cache, step):
             return 0
+        return self._store_mid_prefill(token_ids, prompt_cache, extra_hash)
+
+    def _store_mid_prefill(
+        self, token_ids: Sequence[int], prompt_cache: Sequence[Any], extra_hash: int
+    ) -> int:
+        """A mid-prefill store (whole blocks, state at a block-aligned length) in the shared
+        prefix cache only; the new tokens the backend kept."""
         written = checkpoints.store(
             self.prefix,
             token_ids,
