@@ -22,6 +22,7 @@ from typing import Any
 from mlxcache.integrations.resume import branch_point
 
 log = logging.getLogger("mlxcache")
+KEEP = 4096  # requests remembered; past it all are forgotten (a branch point missed, no more)
 
 
 class Branches:
@@ -37,6 +38,9 @@ class Branches:
     def cut(self) -> None:
         """Before a step: end the lone prompt's next chunk at its branch point, if it passes it
         (a failure is a log line: the step runs as vllm-mlx's own)."""
+        if len(self._asked) > KEEP:  # requests aborted mid-prefill never reach their end
+            self._asked.clear()
+            self._marks.clear()
         try:
             self._cut()
         except Exception as e:  # never into the scheduler
