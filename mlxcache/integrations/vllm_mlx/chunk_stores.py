@@ -20,6 +20,11 @@ Only a request whose chunks all ran alone in the prompt batch is stored: vllm-ml
 batch answers otherwise than the prompt run alone (``test_vllm_mlx_windows.py``). Models with
 neither layer kind keep vllm-mlx's own stores. The stores read the cache and never
 touch it: vllm-mlx computes exactly what it computes without them.
+
+One exception, for state layers only (``branches.py``): a request prefilled alone that branches
+off a stored prompt (its blocks match up to ``m``, it resumed before the last block boundary
+``b <= m``) ends one more prefill chunk at ``b`` and is checkpointed there, so the next request
+that branches there, on any server, resumes at ``b``; its answer is vllm-mlx's resumed at ``b``.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from mlxcache.integrations.resume import chunk_store_due, stores_mid_prefill
+from mlxcache.integrations.resume import chunk_store_due, holds_state, stores_mid_prefill
+from mlxcache.integrations.vllm_mlx.branches import Branches
 from mlxcache.integrations.vllm_mlx.shared_tier import ERRORS, held_tokens
 
 log = logging.getLogger("mlxcache")
@@ -37,11 +43,16 @@ _saved: dict[str, Any] = {}
 
 
 def store_chunks(
-    scheduler: Any, generator: Any, prompt_responses: Sequence[Any], batched: set[int]
+    scheduler: Any,
+    generator: Any,
+    prompt_responses: Sequence[Any],
+    batched: set[int],
+    branches: Branches | None = None,
 ) -> None:
     """Store the cache of each request whose prefill chunk has just run alone, and has always
-    (``batched``: the uids of requests whose chunks ran with another's, updated here); a
-    failure is a log line, never an error in the scheduler's step."""
+    (``batched``: the uids of requests whose chunks ran with another's, updated here), and a
+    checkpoint at a branch point (``branches``); a failure is a log line, never an error in
+    the scheduler's step."""
     cache = getattr(scheduler, "memory_aware_cache", None)
     tier_of = getattr(cache, "_tier", None)
     batched.difference_update(r.uid for r in prompt_responses if r.end_of_prompt)
@@ -49,20 +60,22 @@ def store_chunks(
     if len(chunks) > 1:  # prefilled together: vllm-mlx's batch differs from one request's run
         batched.update(chunks)
     chunks = {uid: r for uid, r in chunks.items() if uid not in batched}
+    at = branches.reached(prompt_responses) if branches is not None else {}
     if tier_of is None or not chunks:
         return
     try:
         for uid, (layers, _) in generator.extract_cache(list(chunks)).items():
-            _store_chunk(scheduler, generator, tier_of, chunks[uid], list(layers))
+            _store_chunk(scheduler, generator, tier_of, chunks[uid], list(layers), at.get(uid))
     except Exception as e:  # never into the server: the request's own stores still run
         log.warning("vllm-mlx shared tier: a prefill chunk's store failed: %s", e)
         ERRORS.add("store")
 
 
 def _store_chunk(
-    scheduler: Any, generator: Any, tier_of: Any, chunk: Any, layers: list[Any]
+    scheduler: Any, generator: Any, tier_of: Any, chunk: Any, layers: list[Any], at: int | None
 ) -> None:
-    """Store one request's cache after its chunk ``chunk`` (mlx-lm's prompt response)."""
+    """Store one request's cache after its chunk ``chunk`` (mlx-lm's prompt response); ``at``:
+    the branch point this chunk ended at (None: none)."""
     request = scheduler.requests.get(scheduler.uid_to_request_id.get(chunk.uid))
     if request is None:
         return
@@ -72,7 +85,9 @@ def _store_chunk(
     if not 0 < n < len(prompt) or held not in (None, n):
         return  # not what the scheduler's own count says: never stored under these tokens
     tier = tier_of(getattr(request, "mlxcache_salt", ""))
-    if chunk.end_of_segment:  # the prompt minus its last token: stored whole
+    if at == n:  # a branch point: its blocks and a checkpoint there
+        tier.store_prefill(prompt[:n], layers)
+    elif chunk.end_of_segment:  # the prompt minus its last token: stored whole
         tier.store(prompt[:n], layers)
     elif chunk_store_due(layers, n, tier.config.block_size, generator.prefill_step_size):
         tier.store_prefill(prompt[:n], layers)
@@ -90,14 +105,18 @@ def install() -> None:
 
     def create_batch_generator(self: Any, sampling_params: Any) -> Any:
         generator = original(self, sampling_params)
-        if not stores_mid_prefill(make_prompt_cache(self.model)):
+        fresh = make_prompt_cache(self.model)
+        if not stores_mid_prefill(fresh):
             return generator
         step, batched = generator.next, set[int]()
+        branches = Branches(self, generator, batched) if holds_state(fresh) else None
 
         def next_storing() -> Any:
+            if branches is not None:
+                branches.cut()
             result = step()
             if isinstance(result, tuple):  # mlx-lm >= 0.31: (prompt, generation) responses
-                store_chunks(self, generator, result[0], batched)
+                store_chunks(self, generator, result[0], batched, branches)
             return result
 
         generator.next = next_storing
