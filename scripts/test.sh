@@ -40,4 +40,6 @@ if ! wait "$vllm_deps"; then
   exit 1
 fi
 PYTHON="$PYTHON" bash scripts/vllm_venv.sh .venv-vllm  # adds mlxcache itself
-.venv/bin/python -m pytest "$@"
+# two workers, each taking whole test files (module fixtures such as a file's servers stay in
+# one process); PYTEST_WORKERS=0 runs in one process
+.venv/bin/python -m pytest -n "${PYTEST_WORKERS:-2}" --dist loadfile "$@"
