@@ -25,7 +25,7 @@ import mlxcache
 from mlxcache import PrefixCache
 from mlxcache.backends.tiered import tiered_uri
 
-TIMEOUT = 0.3
+TIMEOUT = 0.6  # long enough that a busy CI worker's CPU time (TLS handshakes) fits the slack
 LIMIT = 1.5 * TIMEOUT
 GOOD = sample_record()
 
@@ -109,7 +109,8 @@ def check_hung_calls(b, procs, resume=lambda: None) -> None:
         assert hit is None or hit.num_tokens in (0, 40)  # tiered: L1 still answers
         let_through(b)
         _, slow["store"] = timed(lambda: pc.store(list(range(100, 140)), kv(40)))
-    assert all(t < LIMIT for t in slow.values()), slow
+    over = {name: round(t, 3) for name, t in slow.items() if t >= LIMIT}
+    assert not over, (over, slow)
     resume()
     deadline = time.monotonic() + 30  # the backoff ends, the server answers again
     while b.get("k") is None:
