@@ -96,6 +96,9 @@ def check_hung_calls(b, procs, resume=lambda: None) -> None:
     assert_same(b.get("k"), GOOD)
     assert pc.store(tokens, kv(40)) == 40
     assert pc.lookup(tokens).num_tokens == 40
+    for r in redis_backends(b):  # fleet counters due at every call: none may wait a second time
+        if r._fleet is not None:
+            r._fleet.interval = 0.0
     slow = {}
     with hung(procs):
         for name, op in OPERATIONS.items():

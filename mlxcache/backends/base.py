@@ -24,6 +24,7 @@ from mlxcache.backends.chains import (  # noqa: F401 - re-exported: the capabili
     walk_chain,
     walks_chains,
 )
+from mlxcache.backends.checks import check_budget, check_key, check_record  # noqa: F401
 from mlxcache.backends.counters import Counters, Latency, RateLimitedLog
 from mlxcache.backends.fleet import FleetCounters, flush_at_exit
 from mlxcache.protocol import CacheBackend
@@ -33,32 +34,6 @@ from mlxcache.records.record import Record
 log = logging.getLogger("mlxcache")
 
 T = TypeVar("T")
-
-
-def check_key(key: object) -> str:
-    """Return ``key`` if it is a non-empty, UTF-8-encodable str, else raise TypeError/ValueError."""
-    if not isinstance(key, str):
-        raise TypeError(f"cache keys must be str, got {type(key).__name__}")
-    if not key:
-        raise ValueError("cache keys must not be empty")
-    try:
-        key.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"cache key {key!r} is not valid unicode (lone surrogate)") from None
-    return key
-
-
-def check_record(record: object) -> Record:
-    if not isinstance(record, Record):
-        raise TypeError(f"expected an mlxcache.Record, got {type(record).__name__}")
-    return record
-
-
-def check_budget(name: str, value: object) -> int | None:
-    """``value`` if it is None or an int >= 0 (a byte or entry budget), else ValueError."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ValueError(f"{name} must be an int >= 0 or None, got {value!r}")
-    return value
 
 
 def is_persistent(backend: CacheBackend) -> bool:
@@ -197,6 +172,12 @@ class BackendBase:
     def _skipping(self) -> bool:
         return self.breaker.skipping()
 
+    def _maybe_flush(self) -> None:
+        """Flush the fleet counters when their interval is up, never while the store is in
+        backoff (a failed call's flush would wait a second deadline on a hung server)."""
+        if self._fleet is not None and not self._skipping():
+            self._fleet.maybe_flush()
+
     def error(self, op: str, exc: BaseException | str, n: int = 1, logged: bool = False,
               spent: float = 0.0) -> None:  # fmt: skip
         """Count a failure of ``op``, keep it in ``last_error`` and log it (rate-limited).
@@ -258,8 +239,7 @@ class BackendBase:
         self._counters.add("hits", len(found))
         self._counters.add("misses", n - len(found))
         self._counters.add("bytes_read", sum(r.nbytes for r in found))
-        if self._fleet is not None and not self._skipping():
-            self._fleet.maybe_flush()
+        self._maybe_flush()
         return out
 
     def put(self, key: str, record: Record) -> None:
@@ -285,8 +265,7 @@ class BackendBase:
         self._counters.add("bytes_written", record.nbytes)  # tensor bytes, as bytes_read
         if evicted:
             self._counters.add("evictions", evicted)
-        if self._fleet is not None:
-            self._fleet.maybe_flush()
+        self._maybe_flush()
 
     def put_many(self, items: Iterable[tuple[str, Record]]) -> None:
         """``put`` each ``(key, record)`` with the same policy, as one batch where the store can
@@ -327,8 +306,7 @@ class BackendBase:
         self._counters.add("bytes_written", kept)
         if evicted:
             self._counters.add("evictions", evicted)
-        if self._fleet is not None:
-            self._fleet.maybe_flush()
+        self._maybe_flush()
 
     def _refuses_all(self) -> bool:
         """True when another budget of the backend is zero (e.g. ``max_entries=0``)."""
@@ -453,8 +431,7 @@ class BackendBase:
         self._counters.add("hits", len(hits))
         self._counters.add("misses", len(found.records) - len(hits))
         self._counters.add("bytes_read", sum(r.nbytes for r in hits))
-        if self._fleet is not None:
-            self._fleet.maybe_flush()
+        self._maybe_flush()
         return found
 
     def add_sibling(self, index: str, label: bytes, members: list[str]) -> None:

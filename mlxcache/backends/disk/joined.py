@@ -40,7 +40,7 @@ class JoinMixin:
     latency: Any
     _guard: Any
     _counters: Any
-    _fleet: Any
+    _maybe_flush: Any
     _fds: Any
 
     def get_joined(
@@ -61,8 +61,7 @@ class JoinMixin:
         self._counters.add("hits", len(found))
         self._counters.add("misses", n - len(found))
         self._counters.add("bytes_read", sum(p.nbytes for p in found))
-        if self._fleet is not None:
-            self._fleet.maybe_flush()
+        self._maybe_flush()
         return out
 
     def _get_joined(
