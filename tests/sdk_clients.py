@@ -71,9 +71,13 @@ class Clients:
         details = usage.prompt_tokens_details
         return usage.prompt_tokens, details.cached_tokens if details is not None else None
 
-    def openai_response(self, text: str, settings: dict, stream: bool) -> tuple[int, int]:
-        """(input_tokens, input_tokens_details.cached_tokens) of the Responses API."""
+    def openai_response(
+        self, text: str, settings: dict, stream: bool, salted: dict | None = None
+    ) -> tuple[int, int]:
+        """(input_tokens, input_tokens_details.cached_tokens) of the Responses API (``salted``:
+        the SDK's ``extra_body`` or ``extra_headers`` that carry a cache salt)."""
         kw = dict(model=self.model, input=text, max_output_tokens=self.max_tokens, **settings)
+        kw.update(salted or {})
         if stream:
             events = self.openai.responses.create(stream=True, **kw)
             usage = [e.response.usage for e in events if e.type == "response.completed"][-1]
@@ -81,11 +85,14 @@ class Clients:
             usage = self.openai.responses.create(**kw).usage
         return usage.input_tokens, usage.input_tokens_details.cached_tokens
 
-    def anthropic_message(self, turn: list, settings: dict) -> tuple[int, int | None]:
+    def anthropic_message(
+        self, turn: list, settings: dict, headers: dict | None = None
+    ) -> tuple[int, int | None]:
         """(input_tokens + cache reads, cache reads) of a non-streamed message."""
         out = self.anthropic.messages.create(
-            model=self.model, messages=turn, max_tokens=self.max_tokens, extra_body=settings
-        )
+            model=self.model, messages=turn, max_tokens=self.max_tokens, extra_body=settings,
+            extra_headers=headers or {},
+        )  # fmt: skip
         read = out.usage.cache_read_input_tokens
         return out.usage.input_tokens + (read or 0), read
 
@@ -125,3 +132,31 @@ def usage_seen(
             seen["responses", name] = clients.openai_response(responses, settings, False)
             seen["responses stream", name] = clients.openai_response(responses, settings, True)
     return seen
+
+
+def salted_reads(clients: Clients, anthropic_turn: list | None, responses: str | None) -> dict:
+    """{api: [(prompt tokens, cache reads)]} of one prompt sent under salts no request used
+    before: a new salt (body field), the same again, the same as ``X-Cache-Salt`` header,
+    another salt. Isolation reads 0, n - 1, n - 1, 0 of its n tokens (Messages, Responses)."""
+    sends: dict = {}
+    if anthropic_turn is not None:
+        sends["anthropic"] = lambda body, headers: clients.anthropic_message(
+            anthropic_turn, body, headers
+        )
+    if responses is not None:
+        sends["responses"] = lambda body, headers: clients.openai_response(
+            responses, {}, False, {"extra_body": body, "extra_headers": headers}
+        )
+    out = {}
+    for api, send in sends.items():
+        first, other = f"{api}-salt-1", f"{api}-salt-2"
+        asks = [({"cache_salt": first}, {}), ({"cache_salt": first}, {}),
+                ({}, {"X-Cache-Salt": first}), ({"cache_salt": other}, {})]  # fmt: skip
+        out[api] = [send(body, headers) for body, headers in asks]
+    return out
+
+
+def isolated(seen: list) -> bool:
+    """Whether ``salted_reads``' (prompt tokens, cache reads) show each salt its own blocks."""
+    n = seen[0][0]
+    return seen == [(n, 0), (n, n - 1), (n, n - 1), (n, 0)]

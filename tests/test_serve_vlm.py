@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from sdk_clients import Clients, messages, usage_seen
+from sdk_clients import Clients, isolated, messages, salted_reads, usage_seen
 from vlm_server import QUESTION, VlmServer, image
 
 from mlxcache.tiny_models import build_tiny_vlm
@@ -75,6 +75,25 @@ def test_repeat_second_server_and_restart(tiny_vlm, tmp_path):
         assert first.chat(["A"], salt="bob") == (cold, n, 0)
         assert second.chat(["A"], salt="alice") == (cold, n, n - 1)
         assert second.chat(["A"], salt="carol", header="carol") == (cold, n, 0)
+        # ...on the Messages and Responses APIs too
+        turn = messages(QUESTION, image("A").split(",", 1)[1])[1]
+        salted = salted_reads(clients, turn, QUESTION)
+        assert len(salted) == 2 and all(isolated(seen) for seen in salted.values()), salted
+        # a salt that is not a string: 400 on every API (chat completions made it a 500)
+        bad, hello = {"cache_salt": 5}, [{"role": "user", "content": "hi"}]
+        calls = (
+            lambda: clients.openai.chat.completions.create(
+                model=tiny_vlm, messages=hello, max_tokens=2, extra_body=bad
+            ),
+            lambda: clients.openai.responses.create(model=tiny_vlm, input="hi", extra_body=bad),
+            lambda: clients.anthropic.messages.create(
+                model=tiny_vlm, messages=hello, max_tokens=2, extra_body=bad
+            ),
+        )
+        for call in calls:
+            with pytest.raises((openai.BadRequestError, anthropic.BadRequestError)) as refused:
+                call()
+            assert "cache_salt must be a string, got int" in str(refused.value.body)
     finally:
         first.kill()
         if second is not None:

@@ -22,7 +22,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
-from sdk_clients import Clients, messages, usage_seen
+from sdk_clients import Clients, isolated, messages, salted_reads, usage_seen
 from vllm_servers import CHAT, NAME, TEXT, Server, require_vllm_python, server_args
 
 from mlxcache.tiny_models import build_tiny_lm
@@ -81,6 +81,8 @@ def test_restart_after_sigkill_reuses_the_prompt(servers, reference, tmp_path):
     seen = usage_seen(Clients(first.url, NAME), *messages(TEXT), responses=TEXT)
     assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
     assert first.chat(salt="alice") == (reference, prompt_tokens, 0)  # its own blocks
+    salted = salted_reads(Clients(first.url, NAME), messages(TEXT)[1], TEXT)  # other APIs
+    assert len(salted) == 2 and all(isolated(seen) for seen in salted.values()), salted
     first.kill()
 
     second = servers(cache, "--continuous-batching")
@@ -123,6 +125,8 @@ def test_simple_mode_caches_text(servers, vllm_python, tiny_lm, tmp_path):
     ]
     seen = usage_seen(clients, *messages(TEXT), responses=TEXT)
     assert len(seen) == 14 and all(read == n - 1 for n, read in seen.values()), seen
+    salted = salted_reads(clients, messages(TEXT)[1], TEXT)  # salts on the other APIs
+    assert len(salted) == 2 and all(isolated(seen) for seen in salted.values()), salted
     first.kill()
     second = servers(cache)
     assert second.chat() == (expected, prompt_tokens, prompt_tokens - 1)

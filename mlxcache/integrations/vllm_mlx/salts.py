@@ -3,8 +3,9 @@
 vllm-mlx 0.6 has no per-request salt. ``mlxcache serve`` adds one on every path that caches
 (``install()`` here, ``engine_salts.install()`` and ``mllm_salts.install()``):
 
-- an ASGI middleware reads the salt of every chat completions and completions request
-  (``request_salt``; a bad one is answered 400) into a context variable (``current()``);
+- an ASGI middleware reads the salt of every chat completions, completions, Anthropic Messages
+  and Responses request (``request_salt``; a bad one is answered 400) into a context variable
+  (``current()``);
 - text with ``--continuous-batching``: ``vllm_mlx.engine_core.Request`` is a subclass that
   keeps it (it is built in the request's task), and ``Scheduler.add_request`` makes it the
   salt of that request's lookup (``admit``);
@@ -38,7 +39,10 @@ from typing import Any
 from mlxcache.integrations.asgi import replaying, send_json
 from mlxcache.integrations.request_salt import HEADER, SaltError, request_salt
 
-PATHS = ("/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions")
+PATHS = (  # the routes that generate (vllm-mlx 0.6 serves the bare ones too, but not all)
+    "/v1/chat/completions", "/v1/completions", "/chat/completions", "/completions",
+    "/v1/messages", "/v1/responses",
+)  # fmt: skip
 SENTINEL = 4  # negative 32-bit words in front of a salted key
 _REQUEST: contextvars.ContextVar[str] = contextvars.ContextVar("mlxcache_salt", default="")
 _ADMITTING = threading.local()  # the salt of the request the scheduler admits on this thread
@@ -152,7 +156,7 @@ def unsalted(tokens: Sequence[int]) -> list[int]:
 
 
 class SaltMiddleware:
-    """Reads each chat/completions request's salt into the request's context (ASGI)."""
+    """Reads the salt of each request that generates (``PATHS``) into its context (ASGI)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app
