@@ -48,6 +48,20 @@ def test_bytes_are_the_stored_value_sizes(redis_url):
         )
 
 
+def test_contains_many_asks_a_batch_of_keys_per_command(redis_url):
+    """A prefix lookup's probe asks up to a block's worth of keys: one script call per 512
+    keys of a group, not one per key (packing those cost more than the server's answer)."""
+    names = [f"probe/{i}" for i in range(1100)]
+    with mlxcache.open_backend(redis_url) as b:
+        b.put_many([(n, blob_record(8)) for n in names[::3]])
+        r = raw(redis_url)
+        r.config_resetstat()
+        assert b.contains_many(names) == [i % 3 == 0 for i in range(1100)]
+        b.touch_many(names[:700])
+        assert r.info("commandstats")["cmdstat_evalsha"]["calls"] == 3 + 2
+        assert b.contains_many(names[:2]) == [True, False]
+
+
 def test_key_layout_keeps_user_and_internal_keys_apart(redis_url):
     b = mlxcache.open_backend(redis_url, chunk_size=1024)
     r = raw(redis_url)

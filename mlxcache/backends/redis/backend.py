@@ -42,6 +42,7 @@ __all__ = ["RedisBackend", "from_uri", "glob_escape", "pool_kwargs", "redis_opti
 REDIS_MAX_STRING = 512 * 1024 * 1024
 DEFAULT_CHUNK_SIZE = 256 * 1024 * 1024
 DEFAULT_TIMEOUT = 5.0
+TOUCH_BATCH = 512  # keys per touch_many command: bounds the time one script holds the server
 
 # redis-py's pure-Python packer sends large values and memoryviews as they are; with hiredis
 # installed the default packer would copy every value into one new command buffer (a full
@@ -223,13 +224,31 @@ class RedisBackend(WalkMixin, ReadMixin, WriteMixin, BackendBase):
 
     def _touch_many(self, keys: list[str]) -> None:
         """Refresh LRU order of keys (the touch script), one pipeline per node."""
+        self._live(keys, refresh=True)
+
+    def _live(self, keys: list[str], refresh: bool) -> list[bool]:
+        """Whether each key is stored and live (``refresh``: as a read, in the LRU order): one
+        ``touch_many`` per group and ``TOUCH_BATCH`` keys, one pipelined round trip per node.
+        One command per key cost more to pack than the server took to answer (a prefix
+        lookup's probe asks up to a block's worth of tail keys)."""
         groups = [self.layout.group(k) for k in keys]
+        found = [False] * len(keys)
         for client, pos in self._by_node(groups):
-            calls = []
+            by_group: dict[int, list[int]] = {}
             for i in pos:
-                g, vkey = groups[i], self.layout.vkey(keys[i], groups[i])
-                calls.append(("touch", g, [*self.layout.index[g], vkey], [keys[i], 1]))
-            self._scripts(client, calls)
+                by_group.setdefault(groups[i], []).append(i)
+            calls, order = [], []
+            for g, members in by_group.items():
+                for at in range(0, len(members), TOUCH_BATCH):
+                    part = members[at : at + TOUCH_BATCH]
+                    vkeys = [self.layout.vkey(keys[i], g) for i in part]
+                    args = [int(refresh), *(keys[i] for i in part)]
+                    calls.append(("touch_many", g, [*self.layout.index[g], *vkeys], args))
+                    order.append(part)
+            for part, replies in zip(order, self._scripts(client, calls), strict=True):
+                for i, x in zip(part, replies, strict=True):
+                    found[i] = bool(x)
+        return found
 
     # ------------------------------------------------------------ the rest of the protocol
 
@@ -237,18 +256,8 @@ class RedisBackend(WalkMixin, ReadMixin, WriteMixin, BackendBase):
         return bool(self._script("drop", self.layout.group(key), [key]))
 
     def _contains_many(self, keys: list[str]) -> list[bool]:
-        """Whether keys are stored and live (the touch script without the LRU refresh): one
-        pipelined round trip per node."""
-        groups = [self.layout.group(k) for k in keys]
-        found = [False] * len(keys)
-        for client, pos in self._by_node(groups):
-            calls = []
-            for i in pos:
-                g, vkey = groups[i], self.layout.vkey(keys[i], groups[i])
-                calls.append(("touch", g, [*self.layout.index[g], vkey], [keys[i], 0]))
-            for i, x in zip(pos, self._scripts(client, calls), strict=True):
-                found[i] = bool(x)
-        return found
+        """Whether keys are stored and live (the LRU order untouched)."""
+        return self._live(keys, refresh=False)
 
     def _pin(self, key: str, on: bool) -> bool:
         g = self.layout.group(key)

@@ -1,11 +1,12 @@
 """Lua scripts of the Redis backend: the shared LRU index, updated atomically with each write.
 
 ``commit`` points a key at its value and evicts least recently used keys until the total fits
-the budget; ``touch`` checks a key's lifetime and refreshes its access order; ``drop`` forgets a
-key; ``stats`` reads the totals; ``evict`` trims the store to a budget; ``pin`` moves a key out
-of (or back into) the LRU; ``walk`` answers a whole ``ChainWalk`` (one prefix lookup) with
-reads that refresh the LRU as ``touch`` does; ``sibling`` registers a sibling index entry. The
-key layout is described in :mod:`mlxcache.backends.redis.keys`.
+the budget; ``touch`` checks a key's lifetime and refreshes its access order (``touch_many``:
+many keys of one group at once); ``drop`` forgets a key; ``stats`` reads the totals; ``evict``
+trims the store to a budget; ``pin`` moves a key out of (or back into) the LRU; ``walk``
+answers a whole ``ChainWalk`` (one prefix lookup) with reads that refresh the LRU as ``touch``
+does; ``sibling`` registers a sibling index entry. The key layout is described in
+:mod:`mlxcache.backends.redis.keys`.
 
 Every script gets ``ARGV[1..4]`` = key prefix, clock offset (ms), ttl (ms), idle_ttl (ms; 0 =
 none) and its own arguments from ``ARGV[5]``. Time is the server's ``TIME`` plus the offset
@@ -223,6 +224,19 @@ return {1, evict_to(maxb, member)}
 # -> 1 if the key is live; an expired or vanished key is dropped (0).
 _TOUCH = _LUA_COMMON + "if live(ARGV[5], ARGV[6] == '1') then return 1 end\nreturn 0\n"
 
+# KEYS: 8 index keys, the value key of each member. ARGV[5]: refresh (as touch), ARGV[6..]:
+# members. -> 1 or 0 per member, as touch: many keys of one group in one command.
+_TOUCH_MANY = (
+    _LUA_COMMON
+    + """
+local out, refresh = {}, ARGV[5] == '1'
+for i = 6, #ARGV do
+  if live(ARGV[i], refresh) then out[#out + 1] = 1 else out[#out + 1] = 0 end
+end
+return out
+"""
+)
+
 # KEYS: 8 index keys. ARGV[5]: member.
 _DROP = _LUA_COMMON + "return drop(ARGV[5])\n"
 
@@ -411,6 +425,7 @@ return 1
 SCRIPTS = {
     "commit": _COMMIT,
     "touch": _TOUCH,
+    "touch_many": _TOUCH_MANY,
     "drop": _DROP,
     "stats": _STATS,
     "evict": _EVICT,
