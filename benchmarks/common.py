@@ -164,6 +164,31 @@ def kv_arrays(tokens: int, seed: int = 0) -> dict[str, mx.array]:
     return out
 
 
+def kv_cache(tokens: int, layers: int, kv_heads: int, head_dim: int, seed: int = 0) -> list[Any]:
+    """``layers`` evaluated mlx-lm KVCache layers of ``tokens`` random bf16 keys/values."""
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(seed)
+    base = mx.random.normal((1, kv_heads, tokens, head_dim), dtype=mx.bfloat16)
+    out = []
+    for i in range(layers):
+        c = KVCache()
+        k, v = base * (1 + i / 32), base * (1 - i / 64) + 0.5
+        mx.eval(k, v)
+        c.state = (k, v, tokens)
+        out.append(c)
+    return out
+
+
+def fsync_file(path: str | os.PathLike[str]) -> None:
+    """Flush a written file to the disk (the baselines' ``+ fsync``: as durable as our puts)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def payload_bytes(arrays: dict[str, mx.array]) -> int:
     return sum(a.nbytes for a in arrays.values())
 

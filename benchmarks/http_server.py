@@ -2,18 +2,20 @@
 
 Every server benchmark (lm_server, vlm_server, vllm_server, agents_engines) starts an engine's
 server the same way: a free port, its output to a log file, ``GET /health`` until it answers;
-a server that exits or takes longer than ``timeout`` seconds is killed and named in the error.
+a server that exits or takes longer than ``timeout`` seconds is killed and named in the error;
+``timed_chat`` times one chat completion on it.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 
 def free_port() -> int:
@@ -51,4 +53,17 @@ def launch(
             time.sleep(0.3)
 
 
-__all__ = ["free_port", "launch"]
+def timed_chat(port: int, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(seconds, usage) of one non-streaming chat completion on the server at ``port``."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        out = json.load(r)
+    return time.perf_counter() - t0, out["usage"]
+
+
+__all__ = ["free_port", "launch", "timed_chat"]

@@ -25,10 +25,18 @@ import os
 import uuid
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 
-from benchmarks.common import Row, Stats, evaluate, have, time_alternating, time_runs
+from benchmarks.common import (
+    Row,
+    Stats,
+    evaluate,
+    fsync_file,
+    have,
+    kv_cache,
+    time_alternating,
+    time_runs,
+)
 
 SECTION = "peers"
 LAYERS, KV_HEADS, HEAD_DIM = 22, 4, 64  # TinyLlama-1.1B-Chat-v1.0 config.json
@@ -37,30 +45,11 @@ MODEL_KEY = ("tinyllama-shaped", None, None)
 
 def tinyllama_cache(tokens: int, seed: int = 0) -> list[Any]:
     """22 evaluated mlx-lm KVCache layers of ``tokens`` random bf16 keys/values."""
-    from mlx_lm.models.cache import KVCache
-
-    mx.random.seed(seed)
-    base = mx.random.normal((1, KV_HEADS, tokens, HEAD_DIM), dtype=mx.bfloat16)
-    out = []
-    for i in range(LAYERS):
-        c = KVCache()
-        k, v = base * (1 + i / 32), base * (1 - i / 64) + 0.5
-        mx.eval(k, v)
-        c.state = (k, v, tokens)
-        out.append(c)
-    return out
+    return kv_cache(tokens, LAYERS, KV_HEADS, HEAD_DIM, seed)
 
 
 def _nbytes(cache: list[Any]) -> int:
     return sum(c.keys.nbytes + c.values.nbytes for c in cache)
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _row(
@@ -232,7 +221,7 @@ def run(tokens: int, ctx: Any) -> list[Row]:
 
         def lm_save() -> None:
             save_prompt_cache(path, cache)
-            _fsync(path)
+            fsync_file(path)
 
         puts = time_alternating(
             {"save": lm_save, "put": lambda: disk.put("pc", dump_prompt_cache(cache))},

@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from benchmarks.common import Row, Stats, evaluate, have, time_alternating
+from benchmarks.common import Row, Stats, evaluate, have, kv_cache, time_alternating
 
 SECTION = "restore"
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 28, 2, 128, 256  # Qwen2-VL-2B's language model
@@ -37,18 +37,7 @@ TARGETS = {"file://": 0.8, "redis://": 0.8, "shared": 1.0}
 
 def qwen2vl_cache(tokens: int, seed: int = 0) -> list[Any]:
     """28 evaluated mlx-lm KVCache layers of ``tokens`` random bf16 keys/values."""
-    from mlx_lm.models.cache import KVCache
-
-    mx.random.seed(seed)
-    base = mx.random.normal((1, KV_HEADS, tokens, HEAD_DIM), dtype=mx.bfloat16)
-    out = []
-    for i in range(LAYERS):
-        c = KVCache()
-        k, v = base * (1 + i / 32), base * (1 - i / 64) + 0.5
-        mx.eval(k, v)
-        c.state = (k, v, tokens)
-        out.append(c)
-    return out
+    return kv_cache(tokens, LAYERS, KV_HEADS, HEAD_DIM, seed)
 
 
 def _row(name: str, n: int, nbytes: int, st: Stats, base: str, base_st: Stats, goal: float,

@@ -20,6 +20,7 @@ from benchmarks.common import (
     Row,
     Stats,
     evaluate,
+    fsync_file,
     have,
     kv_arrays,
     payload_bytes,
@@ -50,14 +51,6 @@ class Context:
     def note(self, text: str) -> None:
         if text not in self.notes:
             self.notes.append(text)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _unlink(path: Path) -> None:
@@ -247,7 +240,7 @@ def _disk_rows(s: _Sizer) -> None:
 
     def mx_save() -> None:
         mx.save_safetensors(str(sf_path), s.arrays)
-        _fsync_path(sf_path)
+        fsync_file(sf_path)
 
     mx_save()
     disk = None
@@ -272,7 +265,7 @@ def _disk_rows(s: _Sizer) -> None:
 
         def lm_save_fsync() -> None:
             save_prompt_cache(str(lm_path), s.caches)
-            _fsync_path(lm_path)
+            fsync_file(lm_path)
 
         s.baseline("mlx-lm save_prompt_cache + fsync", s.time(lm_save_fsync))
         s.baseline(

@@ -22,19 +22,17 @@ its twelve server starts take about 90 s.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import os
 import signal
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Row, Stats
-from benchmarks.http_server import launch
+from benchmarks.http_server import launch, timed_chat
+from benchmarks.vlm_server import _image
 
 SECTION = "server"
 ROOT = Path(__file__).resolve().parent.parent
@@ -46,16 +44,6 @@ VLM = {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 512,
        "num_attention_heads": 8, "num_key_value_heads": 2}  # fmt: skip
 WORDS = "the cache keeps what the model has already computed so a repeated prompt skips it".split()
 LABELS = ("cold", "warm, same process", "warm, second live server", "after a restart (SIGKILL)")
-
-
-def _image(seed: int) -> str:
-    from PIL import Image, ImageDraw
-
-    im = Image.new("RGB", (112, 112), ((seed * 53) % 256, 90, 200))
-    ImageDraw.Draw(im).rectangle([10 + seed % 40, 20, 80, 90], fill=(250, 10, (seed * 31) % 256))
-    buf = io.BytesIO()
-    im.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _text(seed: int, words: int) -> str:
@@ -80,16 +68,7 @@ class _Server:
     def ask(self, messages: list[dict[str, Any]]) -> tuple[float, int, str]:
         """(seconds to a one-token answer, prompt tokens, its ``cached_tokens`` as text)."""
         body = {"model": NAME, "messages": messages, "max_tokens": 1, "temperature": 0.0}
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.load(r)
-        dt = time.perf_counter() - t0
-        usage = out["usage"]
+        dt, usage = timed_chat(self.port, body)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         return dt, int(usage["prompt_tokens"]), "not reported" if cached is None else str(cached)
 

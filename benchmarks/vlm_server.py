@@ -18,18 +18,14 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 import os
 import signal
 import sys
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import Row, Stats, have
-from benchmarks.http_server import launch
+from benchmarks.http_server import launch, timed_chat
 
 SECTION = "server"
 BENCH_MODEL = {
@@ -43,6 +39,7 @@ WORDS = "the cache keeps what the model has already computed so a repeated promp
 
 
 def _image(seed: int) -> str:
+    """A 112x112 PNG data URL, a rectangle on a background, both colors from ``seed``."""
     from PIL import Image, ImageDraw
 
     im = Image.new("RGB", (112, 112), ((seed * 53) % 256, 90, 200))
@@ -65,16 +62,7 @@ class _Server:
         ]
         body = {"model": model, "messages": [{"role": "user", "content": content}],
                 "max_tokens": 1, "temperature": 0.0}  # fmt: skip
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json"},
-        )
-        t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=600) as r:
-            out = json.load(r)
-        dt = time.perf_counter() - t0
-        usage = out["usage"]
+        dt, usage = timed_chat(self.port, body)
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         return dt, usage["prompt_tokens"], cached
 

@@ -31,6 +31,16 @@ def redis_url(redis_server):
     return redis_server.url
 
 
+@pytest.fixture(params=["memory", "file", "redis"])
+def uri(request, tmp_path):
+    """A store URI: each test that takes ``uri`` runs on memory://, file:// and redis://."""
+    if request.param == "memory":
+        return "memory://"
+    if request.param == "file":
+        return f"file://{tmp_path}/cache"
+    return request.getfixturevalue("redis_url")
+
+
 # ---------------------------------------------------------------- fuzzing (hypothesis)
 
 

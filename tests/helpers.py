@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import IO
 
 import mlx.core as mx
 
@@ -77,6 +80,20 @@ def run_py(code: str, *args: str, timeout: float = 60, check: bool = True, **kw)
     return proc.stdout
 
 
+def run_file(path: str, *args: str, timeout: float = 300) -> dict:
+    """Run the file ``path`` with ``args`` in a fresh interpreter with the checkout importable;
+    a failing run fails the test, else the JSON of its last output line."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+    )
+    proc = subprocess.run(
+        [sys.executable, path, *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 class CountingBackend(MemoryBackend):
     """A real memory backend that counts calls: each batch call is one round trip."""
 
@@ -99,6 +116,78 @@ class CountingBackend(MemoryBackend):
     def contains_many(self, keys):
         self.calls["contains_many"] += 1
         return super().contains_many(keys)
+
+
+class BrokenBackend(MemoryBackend):
+    """A real memory backend whose ``fail`` call ("lookup": contains_many, "store": put) raises,
+    like a third-party backend with a bug."""
+
+    def __init__(self, fail: str, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fail = fail
+
+    def contains_many(self, keys):
+        if self.fail == "lookup":
+            raise RuntimeError("backend bug: contains_many")
+        return super().contains_many(keys)
+
+    def put(self, key, record):
+        if self.fail == "store":
+            raise RuntimeError("backend bug: put")
+        return super().put(key, record)
+
+
+def full_kv(n: int, fill: float = 1.0) -> list:
+    """Two evaluated mlx-lm KVCache layers of ``n`` tokens: keys ``fill + layer``, values -keys."""
+    from mlx_lm.models.cache import KVCache
+
+    out = []
+    for layer in range(2):
+        c = KVCache()
+        x = mx.full((1, 2, n, 4), fill + layer)
+        c.update_and_fetch(x, -x)
+        out.append(c)
+    mx.eval([c.keys for c in out])
+    return out
+
+
+def read_stream(response) -> tuple[str, dict | None]:
+    """The text and the last usage of a chat completion streamed as server-sent events."""
+    parts, usage = [], None
+    for raw in response:
+        line = raw.decode().strip()
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[len("data: ") :])
+            for choice in chunk.get("choices") or ():
+                parts.append((choice.get("delta") or {}).get("content") or "")
+            usage = chunk.get("usage") or usage
+    return "".join(parts), usage
+
+
+class LoggedServer:
+    """Base of the tests' server subprocesses: ``proc``, its output to the open file ``_log``
+    at ``log_path``; ``log()`` reads it, ``kill()`` ends it."""
+
+    proc: subprocess.Popen
+    log_path: str | os.PathLike[str]
+    _log: IO[bytes]
+
+    def log(self) -> str:
+        """The server's output so far ("" before it wrote any); also after ``kill``."""
+        if not self._log.closed:
+            self._log.flush()
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL: nothing flushes, nothing shuts down cleanly, nothing is saved at shutdown."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._log.close()
 
 
 def wait_until_healthy(server, what: str, timeout: float, log_tail: int | None = None) -> None:

@@ -13,10 +13,9 @@ import sqlite3
 import mlx.core as mx
 import pytest
 import redis
-from helpers import assert_same, sample_record
+from helpers import assert_same, full_kv, sample_record
 from hypothesis import given
 from hypothesis import strategies as s
-from mlx_lm.models.cache import KVCache
 from test_fuzz_decoders import BLOBS, edited_header, is_plain, msgpack_values, mutated_bytes
 
 import mlxcache
@@ -31,16 +30,6 @@ GOOD = sample_record()
 crafted_value = (
     s.binary(max_size=64) | mutated_bytes() | edited_header() | s.sampled_from(BLOBS)
 ).map(bytes)
-
-
-def kv(n: int) -> list[KVCache]:
-    out = []
-    for layer in range(2):
-        c = KVCache()
-        x = mx.full((1, 2, n, 4), 1.0 + layer)
-        c.update_and_fetch(x, -x)
-        out.append(c)
-    return out
 
 
 # ---------------------------------------------------------------- file://
@@ -212,7 +201,7 @@ def _stored(backend) -> dict[str, Record]:
 def prefix_store():
     backend = MemoryBackend()
     pc = PrefixCache(backend, model="m", block_size=4)
-    pc.store(list(range(10)), kv(10), extras={"rope_deltas": mx.array([1])})
+    pc.store(list(range(10)), full_kv(10), extras={"rope_deltas": mx.array([1])})
     return pc, backend, _stored(backend)
 
 
@@ -237,7 +226,7 @@ def manager_store(tmp_path_factory):
     Image.new("RGB", (4, 4), (1, 2, 3)).save(img)
     backend = MemoryBackend()
     m = MLLMPrefixCacheManager(backend=backend)
-    m.store([str(img)], "p", mx.ones((1, 4)), kv(6), list(range(6)))
+    m.store([str(img)], "p", mx.ones((1, 4)), full_kv(6), list(range(6)))
     v = VisionEmbeddingCache(backend=backend)
     v.set_pixel_cache([str(img)], "p", mx.ones((1, 3, 4, 4)), mx.array([[1, 2]]))
     v.set_encoding_cache([str(img)], "p", mx.ones((1, 5)), 3, mx.ones((1, 5)))
@@ -267,8 +256,8 @@ def test_managers_through_redis_on_crafted_bytes(redis_url, data):
 
 def _managers_on_crafted_bytes(r, backend, data) -> None:
     pc = PrefixCache(backend, model="m", block_size=4)
-    pc.store(list(range(10)), kv(10))  # writes back whatever an earlier example dropped
-    MLLMPrefixCacheManager(backend=backend).store(["x"], "p", None, kv(3), [1, 2, 3])
+    pc.store(list(range(10)), full_kv(10))  # writes back whatever an earlier example dropped
+    MLLMPrefixCacheManager(backend=backend).store(["x"], "p", None, full_kv(3), [1, 2, 3])
     keys = sorted(k.decode()[len("mlxcache:{0}v:") :] for k in r.scan_iter("mlxcache:{0}v:*"))
     victim = data.draw(s.sampled_from(keys))
     r.set("mlxcache:{0}v:" + victim, data.draw(crafted_value))

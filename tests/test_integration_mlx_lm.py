@@ -13,8 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -190,19 +188,10 @@ def script_main(path: str, uri: str, phase: str) -> dict:
 
 
 def run_script(path: Path, uri: str, phase: str) -> dict:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, __file__, str(path), uri, phase],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """One side (``phase``) of the main test in a fresh process: what it measured."""
+    from helpers import run_file
+
+    return run_file(__file__, str(path), uri, phase)
 
 
 # ---------------------------------------------------------------- fixtures
@@ -493,30 +482,13 @@ def test_unsupported_cache_class_runs_uncached(tmp_path, caplog):
     assert len(cache.backend) == 0
 
 
-def _broken(fail: str):
-    """A real memory backend whose calls raise, like a third-party backend with a bug."""
-    from mlxcache.backends.memory import MemoryBackend
-
-    class Broken(MemoryBackend):
-        def contains_many(self, keys):
-            if fail == "lookup":
-                raise RuntimeError("backend bug: contains_many")
-            return super().contains_many(keys)
-
-        def put(self, key, record):
-            if fail == "store":
-                raise RuntimeError("backend bug: put")
-            return super().put(key, record)
-
-    return Broken()
-
-
 @pytest.mark.parametrize("fail", ["lookup", "store", "stopped-redis"])
 def test_a_failing_cache_never_breaks_generation(fail, tiny_lm, caplog):
     """A backend that raises, or a Redis that was stopped: the same tokens, uncached.
 
     The backend path: the hot tier is off (it would serve what this process stored).
     """
+    from helpers import BrokenBackend
     from redis_server import RedisServer
 
     from mlxcache import open_backend
@@ -534,7 +506,9 @@ def test_a_failing_cache_never_breaks_generation(fail, tiny_lm, caplog):
         assert generate_tokens(model, ids, cache=cache, max_tokens=3).stored_tokens == 39
         server.close()  # the server dies under a cache that just worked
     else:
-        cache = PrefixCache(_broken(fail), model="tiny-mlx-lm-test", block_size=16, hot_bytes=0)
+        cache = PrefixCache(
+            BrokenBackend(fail), model="tiny-mlx-lm-test", block_size=16, hot_bytes=0
+        )
     try:
         with caplog.at_level(logging.WARNING, logger="mlxcache"):
             for _ in range(2):

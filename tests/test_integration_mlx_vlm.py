@@ -9,8 +9,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -144,19 +142,10 @@ def script_main(family: str, uri: str, phase: str) -> dict:
 
 
 def _run_script(family: str, uri: str, phase: str) -> dict:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    )
-    proc = subprocess.run(
-        [sys.executable, __file__, family, uri, phase],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """One side (``phase``) of the main test in a fresh process: what it measured."""
+    from helpers import run_file
+
+    return run_file(__file__, family, uri, phase)
 
 
 # ---------------------------------------------------------------- the tests
@@ -272,30 +261,11 @@ def test_another_video_never_reuses_the_prefix():
     assert again_first == expected_first
 
 
-class _BrokenBackend:
-    """A real memory backend whose batch calls raise, like a third-party backend with a bug."""
-
-    @staticmethod
-    def make(fail: str):
-        from mlxcache.backends.memory import MemoryBackend
-
-        class Broken(MemoryBackend):
-            def contains_many(self, keys):
-                if fail == "lookup":
-                    raise RuntimeError("backend bug: contains_many")
-                return super().contains_many(keys)
-
-            def put(self, key, record):
-                if fail == "store":
-                    raise RuntimeError("backend bug: put")
-                return super().put(key, record)
-
-        return Broken()
-
-
 @pytest.mark.parametrize("fail", ["lookup", "store", "dead-redis"])
 def test_a_failing_cache_never_breaks_generation(fail, caplog):
     """A backend that raises, or a dead Redis: the same tokens and logits as uncached."""
+    from helpers import BrokenBackend
+
     from mlxcache import open_backend
     from mlxcache.prefix import PrefixCache
     from mlxcache.tiny_models import build_model
@@ -306,7 +276,7 @@ def test_a_failing_cache_never_breaks_generation(fail, caplog):
     if fail == "dead-redis":
         backend = open_backend("redis://127.0.0.1:1/0?timeout=0.2")
     else:
-        backend = _BrokenBackend.make(fail)
+        backend = BrokenBackend(fail)
     cache = PrefixCache(
         backend, model="tiny-qwen2-vl-test", block_size=16, hot_bytes=0
     )  # the backend path

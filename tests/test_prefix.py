@@ -52,15 +52,6 @@ def prompt(n, seed=0):
     return np.random.default_rng(seed).integers(1, 900, n).tolist()
 
 
-@pytest.fixture(params=["memory", "file", "redis"])
-def uri(request, tmp_path):
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "file":
-        return f"file://{tmp_path}/cache"
-    return request.getfixturevalue("redis_url")
-
-
 @pytest.fixture(scope="module")
 def turn1(qwen):
     ids = prompt(40)

@@ -59,15 +59,6 @@ class GatedBackend(MemoryBackend):
         super().put(key, record)
 
 
-@pytest.fixture(params=["memory", "file", "redis"])
-def uri(request, tmp_path):
-    if request.param == "memory":
-        return "memory://"
-    if request.param == "file":
-        return f"file://{tmp_path}/cache"
-    return request.getfixturevalue("redis_url")
-
-
 def test_background_store_then_flush_hits_like_a_sync_store(uri, qwen):
     ids = prompt(40)
     _, cache = prefill(qwen, ids)

@@ -23,13 +23,6 @@ from mlxcache.prefix import gaps
 BS = 8
 
 
-@pytest.fixture(params=["memory", "file", "redis"])
-def uri(request, tmp_path):
-    if request.param == "redis":
-        return request.getfixturevalue("redis_url")
-    return "memory://" if request.param == "memory" else f"file://{tmp_path}/c"
-
-
 def _kinds(pc: PrefixCache) -> dict[str, int]:
     out: dict[str, int] = {}
     for k in pc.backend.keys(pc.key_prefix):

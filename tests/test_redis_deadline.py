@@ -16,10 +16,8 @@ import signal
 import time
 from contextlib import contextmanager
 
-import mlx.core as mx
 import pytest
-from helpers import assert_same, sample_record
-from mlx_lm.models.cache import KVCache
+from helpers import assert_same, full_kv, sample_record
 from redis_server import RedisServer
 
 import mlxcache
@@ -60,16 +58,6 @@ def timed(fn):
     return out, time.monotonic() - start
 
 
-def kv(n: int) -> list[KVCache]:
-    out = []
-    for layer in range(2):
-        c = KVCache()
-        x = mx.full((1, 2, n, 4), 1.0 + layer)
-        c.update_and_fetch(x, -x)
-        out.append(c)
-    return out
-
-
 OPERATIONS = {
     "get": lambda b: b.get("k"),
     "get_many": lambda b: b.get_many(["k", "other"]),
@@ -95,7 +83,7 @@ def check_hung_calls(b, procs, resume=lambda: None) -> None:
     pc = PrefixCache(b, model="deadline-test", block_size=16, hot_bytes=0)
     b.put("k", GOOD)
     assert_same(b.get("k"), GOOD)
-    assert pc.store(tokens, kv(40)) == 40
+    assert pc.store(tokens, full_kv(40)) == 40
     assert pc.lookup(tokens).num_tokens == 40
     for r in redis_backends(b):  # fleet counters due at every call: none may wait a second time
         if r._fleet is not None:
@@ -112,7 +100,7 @@ def check_hung_calls(b, procs, resume=lambda: None) -> None:
         hit, slow["lookup"] = timed(lambda: pc.lookup(tokens))
         assert hit is None or hit.num_tokens in (0, 40)  # tiered: L1 still answers
         let_through(b)
-        _, slow["store"] = timed(lambda: pc.store(list(range(100, 140)), kv(40)))
+        _, slow["store"] = timed(lambda: pc.store(list(range(100, 140)), full_kv(40)))
     over = {name: round(t, 3) for name, t in slow.items() if t >= LIMIT}
     assert not over, (over, slow)
     resume()

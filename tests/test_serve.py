@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import urllib.error
@@ -18,7 +17,7 @@ import urllib.request
 import mlx.core as mx
 import openai
 import pytest
-from helpers import wait_until_healthy
+from helpers import LoggedServer, read_stream, wait_until_healthy
 from redis_server import RedisServer, free_port
 from sdk_clients import Clients, usage_seen
 
@@ -32,7 +31,7 @@ def tiny_lm(tmp_path_factory):
     return str(build_tiny_lm(tmp_path_factory.mktemp("lm") / "tiny"))
 
 
-class Server:
+class Server(LoggedServer):
     """``mlxcache serve`` in a subprocess (``plain``: mlx-lm's stock ``mlx_lm.server``, no
     mlxcache); its log goes to a file."""
 
@@ -88,30 +87,11 @@ class Server:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )
-        text, usage = [], None
         with urllib.request.urlopen(req, timeout=120) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                for choice in chunk.get("choices", []):
-                    text.append(choice.get("delta", {}).get("content") or "")
-                usage = chunk.get("usage") or usage
+            text, usage = read_stream(r)
         assert usage is not None
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        return "".join(text), usage["prompt_tokens"], cached
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL: nothing flushes, nothing shuts down cleanly."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        self._log.close()
+        return text, usage["prompt_tokens"], cached
 
 
 @pytest.fixture

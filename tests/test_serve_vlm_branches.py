@@ -22,12 +22,12 @@ import urllib.request
 
 import pytest
 from helpers import started_together
-from test_serve_vlm_windows import DOC, _ids
+from test_serve_vlm_windows import BLOCK, DOC, _ids, _stride
 from vlm_server import VlmServer, user_turn
 
 from mlxcache.tiny_models import build_tiny_vlm
 
-BLOCK, STEP, MAX = 16, 32, 12  # a step of two blocks: a branch point at an odd block is new
+STEP, MAX = 2 * BLOCK, 12  # a step of two blocks: a branch point at an odd block is new
 WORDS = (DOC + DOC).split(" ")
 AT = 74  # the word the documents differ at
 QUESTION = "Question: what does the cache keep?"
@@ -61,21 +61,6 @@ def _chat(server: VlmServer, messages: list) -> tuple[list[tuple[str, float]], i
     return steps, details.get("cached_tokens", 0)
 
 
-def _stride(folder: str) -> int:
-    """Where the state is checkpointed mid-prefill at BLOCK and STEP (prefix/checkpoints.py)."""
-    import mlx.core as mx
-    import mlx_vlm
-
-    from mlxcache.prefix import checkpoints
-
-    lm = mlx_vlm.load(folder)[0].language_model
-    cache = lm.make_cache()
-    lm(mx.array([[1] * 8]), cache=cache)
-    every = checkpoints.stride(cache, BLOCK, checkpoints.DEFAULT_SHARE, STEP)
-    assert every is not None and every % STEP == 0
-    return every
-
-
 def _common(a: list[int], b: list[int]) -> int:
     return next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
 
@@ -88,7 +73,7 @@ def test_a_branch_inside_a_document_is_checkpointed_for_the_next_server(family, 
     assert branch == _common(prompts[0], prompts[2]) == _common(prompts[1], prompts[2])
     b = branch // BLOCK * BLOCK  # the branch point (Gemma 3: past its 64-token window)
     if family == "qwen3_5":
-        every = _stride(folder)
+        every = _stride(folder, STEP)
         hit = branch // every * every  # the stride checkpoint before it
         assert 0 < hit < b and (b - hit) % STEP  # not one of the first request's chunk ends
     else:

@@ -48,8 +48,8 @@ def _ids(folder: str, messages: list) -> list[int]:
     return list(processor(text=[prompt], images=[pixels])["input_ids"][0])
 
 
-def _stride(folder: str) -> int:
-    """Where a state is checkpointed mid-prefill at BLOCK and a prefill step of BLOCK."""
+def _stride(folder: str, step: int = BLOCK) -> int:
+    """Where a state is checkpointed mid-prefill at BLOCK and a prefill step of ``step``."""
     import mlx.core as mx
     import mlx_vlm
 
@@ -58,8 +58,8 @@ def _stride(folder: str) -> int:
     lm = mlx_vlm.load(folder)[0].language_model
     cache = lm.make_cache()
     lm(mx.array([[1] * 8]), cache=cache)
-    every = checkpoints.stride(cache, BLOCK, checkpoints.DEFAULT_SHARE, BLOCK)
-    assert every is not None and every % BLOCK == 0
+    every = checkpoints.stride(cache, BLOCK, checkpoints.DEFAULT_SHARE, step)
+    assert every is not None and every % step == 0
     return every
 
 

@@ -9,8 +9,7 @@ import sqlite3
 
 import mlx.core as mx
 import pytest
-from helpers import assert_same, bits, run_py, sample_record
-from mlx_lm.models.cache import KVCache
+from helpers import assert_same, bits, full_kv, run_py, sample_record
 
 import mlxcache
 from mlxcache import PrefixCache, Record, UntrustedRecordError
@@ -43,17 +42,6 @@ def shared(request, tmp_path, secret):
     else:
         base = f"file://{tmp_path / 'shared'}"
     return f"{base}?secret_env={VAR}", base
-
-
-def kv(n: int, fill: float = 1.0) -> list[KVCache]:
-    out = []
-    for layer in range(2):
-        c = KVCache()
-        x = mx.full((1, 2, n, 4), fill + layer)
-        c.update_and_fetch(x, -x)
-        out.append(c)
-    mx.eval([c.keys for c in out])
-    return out
 
 
 # ---------------------------------------------------------------- the format layer
@@ -179,7 +167,7 @@ import mlxcache
 from mlxcache import PrefixCache, Record
 from mlxcache.records import format as st
 from record_bytes import join, split
-from test_signing import kv
+from helpers import full_kv
 
 assert not any(v for k, v in os.environ.items() if "SECRET" in k), "no secret here"
 kind, base = sys.argv[1], sys.argv[2]
@@ -218,7 +206,7 @@ def poisoned(blob):
 
 legit = {k: raw_get(k) for k in raw_keys()}
 # tenant B's keys for the same prompt, then tenant A's signed records replayed onto them
-PrefixCache(plain, model="m", salt="B", block_size=4).store(list(range(10)), kv(10))
+PrefixCache(plain, model="m", salt="B", block_size=4).store(list(range(10)), full_kv(10))
 def slot(blob):
     m = st.from_bytes(blob).meta
     return (m.get("kind"), m.get("start"), m.get("length"))
@@ -251,11 +239,11 @@ def test_writer_without_the_secret_never_gets_served(shared, images_dir):
     img = [str(images_dir)]
     # legitimate writers, with the secret
     pc_a = PrefixCache(signed_uri, model="m", salt="A", block_size=4)
-    pc_a.store(tokens, kv(10))
+    pc_a.store(tokens, full_kv(10))
     raw = mlxcache.open_backend(signed_uri)
     raw.put("ns1/x", sample_record())
     mllm = MLLMPrefixCacheManager(backend=signed_uri)
-    mllm.store(img, "describe", None, kv(6), list(range(6)))
+    mllm.store(img, "describe", None, full_kv(6), list(range(6)))
     vision = VisionEmbeddingCache(backend=signed_uri)
     vision.set_pixel_cache(img, "describe", mx.ones((1, 3, 4, 4)), mx.array([[1, 2, 3]]))
     # control: with the secret, everything is served before the attack
@@ -284,7 +272,7 @@ def test_writer_without_the_secret_never_gets_served(shared, images_dir):
     assert reader.stats()["rejected"] >= 2
     assert list(reader.keys()) == []  # every forged and replayed record was removed
     # and the legitimate writers carry on: a new signed store is served again
-    assert pc_a.store(tokens, kv(10)) == 10, (pc_a.backend.stats(), pc_a.backend.last_error)
+    assert pc_a.store(tokens, full_kv(10)) == 10, (pc_a.backend.stats(), pc_a.backend.last_error)
     fresh = PrefixCache(signed_uri, model="m", salt="A", block_size=4)
     assert fresh.lookup(tokens) is not None, (fresh.backend.stats(), fresh.backend.last_error)
 

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import redis
-from helpers import ROOT, assert_same, sample_record
+from helpers import ROOT, assert_same, full_kv, sample_record
 from redis_server import free_port
-from test_signing import kv
 from tls_redis import PASSWORD, USER, TLSRedis
 
 import mlxcache
@@ -47,7 +46,7 @@ def test_tls_client_certificate_and_acl_user(tls, monkeypatch):
     assert_same(sample_record(), b.get("k"))
     assert b.stats()["entries"] == 1 and b.stats()["available"] is True
     pc = PrefixCache(tls.uri(), model="m", block_size=4)  # signed records, over TLS
-    pc.store(list(range(8)), kv(8))
+    pc.store(list(range(8)), full_kv(8))
     assert pc.lookup(list(range(8))).num_tokens == 8
     assert f"{USER}:***@" in repr(b) and f"{USER}:***@" in b.stats()["url"]
     _no_secret(repr(b), str(b), str(b.stats()), repr(pc))

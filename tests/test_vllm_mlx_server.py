@@ -23,7 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from redis_server import free_port
 from sdk_clients import Clients, isolated, messages, salted_reads, usage_seen
-from vllm_servers import CHAT, NAME, TEXT, Server, require_vllm_python, server_args
+from vllm_servers import CHAT, NAME, TEXT, Server, require_vllm_python, server_args, starter
 
 from mlxcache.tiny_models import build_tiny_lm
 
@@ -40,18 +40,7 @@ def tiny_lm(tmp_path_factory) -> str:
 
 @pytest.fixture
 def servers(tmp_path, vllm_python, tiny_lm):
-    started: list[Server] = []
-
-    def start(cache: str | None, *extra: str) -> Server:
-        n = len(started)
-        args = [*server_args(vllm_python, tiny_lm, cache, False), *extra]
-        s = Server(args, tmp_path / f"server{n}.log", tmp_path / f"home{n}")
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.kill()
+    yield from starter(vllm_python, tiny_lm, tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from sdk_clients import Clients, messages, png_b64, usage_seen
-from vllm_servers import NAME, Server, require_vllm_python, server_args
+from vllm_servers import NAME, Server, require_vllm_python, starter
 
 from mlxcache.tiny_models import build_tiny_vlm
 
@@ -55,18 +55,7 @@ def tiny_vlm(tmp_path_factory) -> str:
 
 @pytest.fixture
 def vlm_servers(tmp_path, vllm_python, tiny_vlm):
-    started: list[Server] = []
-
-    def start(cache: str | None, *extra: str, reference: bool = False) -> Server:
-        n = len(started)
-        args = [*server_args(vllm_python, tiny_vlm, cache, reference), "--mllm", *extra]
-        s = Server(args, tmp_path / f"server{n}.log", tmp_path / f"home{n}")
-        started.append(s)
-        return s
-
-    yield start
-    for s in started:
-        s.kill()
+    yield from starter(vllm_python, tiny_vlm, tmp_path, "--mllm")
 
 
 def _ask(server: Server, case: str, **salt: str) -> tuple[str, int, int | None]:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from helpers import wait_until_healthy
+from helpers import LoggedServer, read_stream, wait_until_healthy
 from redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +24,7 @@ BLOCK = "16"  # small blocks: the tiny prompts span many
 NAME = "tiny"  # the served model name (vllm-mlx requires "model" in every request)
 
 
-class Server:
+class Server(LoggedServer):
     """A vllm-mlx server subprocess on a free loopback port; its log goes to a file."""
 
     def __init__(self, args: list[str], log_path: Path, home: Path) -> None:
@@ -86,28 +86,10 @@ class Server:
             data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json", **headers},
         )
-        parts, usage = [], None
         with urllib.request.urlopen(req, timeout=180) as r:
-            for raw in r:
-                line = raw.decode().strip()
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[len("data: ") :])
-                    for choice in chunk.get("choices") or ():
-                        parts.append((choice.get("delta") or {}).get("content") or "")
-                    usage = chunk.get("usage") or usage
+            text, usage = read_stream(r)
         assert usage is not None, "no usage chunk in the stream"
-        return "".join(parts), usage
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def kill(self) -> None:
-        """SIGKILL: nothing flushes, nothing is saved at shutdown."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        self._log.close()
+        return text, usage
 
 
 def server_args(python: str, model: str, cache: str | None, reference: bool) -> list[str]:
@@ -133,3 +115,20 @@ def require_vllm_python() -> str:
     if not os.access(VLLM_PYTHON, os.X_OK):
         raise RuntimeError(f"no vllm-mlx venv at {VLLM_PYTHON}: run scripts/vllm_venv.sh first")
     return VLLM_PYTHON
+
+
+def starter(python: str, model: str, folder: Path, *always: str) -> Iterator[Callable[..., Server]]:
+    """A fixture body: yields ``start(cache, *extra, reference=False)``, which starts a server
+    on ``model`` (with ``always`` before ``extra``), logs in ``folder``; all killed at the end."""
+    started: list[Server] = []
+
+    def start(cache: str | None, *extra: str, reference: bool = False) -> Server:
+        n = len(started)
+        args = [*server_args(python, model, cache, reference), *always, *extra]
+        s = Server(args, folder / f"server{n}.log", folder / f"home{n}")
+        started.append(s)
+        return s
+
+    yield start
+    for s in started:
+        s.kill()

@@ -9,13 +9,12 @@ import base64
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import urllib.error
 import urllib.request
 
-from helpers import wait_until_healthy
+from helpers import LoggedServer, wait_until_healthy
 from PIL import Image, ImageDraw
 from redis_server import free_port
 
@@ -45,7 +44,7 @@ def user_turn(images=("A",), text: str = QUESTION) -> dict:
     return {"role": "user", "content": content}
 
 
-class VlmServer:
+class VlmServer(LoggedServer):
     """The server in a subprocess on a free loopback port; its log goes to a file."""
 
     def __init__(
@@ -114,16 +113,3 @@ class VlmServer:
     def get(self, path: str) -> str:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return r.read().decode()
-
-    def log(self) -> str:
-        try:
-            return open(self.log_path, encoding="utf-8", errors="replace").read()
-        except OSError:
-            return ""
-
-    def kill(self) -> None:
-        """SIGKILL: nothing flushes, nothing shuts down cleanly."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(30)
-        self._log.close()
