@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 
 import mlx.core as mx
+import mlx_lm.models.cache as lmc
+import mlx_vlm.models.cache as vlc
 import pytest
 from helpers import bits
 from test_integration_mlx_lm import build_folder, prompt_ids
+from vllm_servers import require_vllm_python
 
 from mlxcache import PrefixCache
 from mlxcache.backends.memory import MemoryBackend
@@ -290,3 +294,25 @@ def test_a_mid_prefill_store_writes_whole_blocks_and_only_checkpoint_tails():
         assert pc.store(list(range(n)), hybrid, mid_prefill=True) == 16
         got = pc.lookup(list(range(20)) + [5])
         assert (got.num_tokens if got else None) == hit
+
+
+def test_a_chunked_cache_trimmed_on_its_buffer_width_is_never_restored():
+    """mlx-lm 0.31 (vllm-mlx's venv) trims a ChunkedKVCache on its padded buffer's width, so a
+    restored one (its buffer exactly the tokens held) would attend to other tokens than the
+    engine's: refused there, with the reason; mlx-lm 0.32's and mlx-vlm's classes are served."""
+    from mlxcache.integrations.resume import unsupported_cache_reason
+    from mlxcache.serializers import adapters
+
+    for cls in (lmc.ChunkedKVCache, vlc.ChunkedKVCache):
+        assert adapters.unsafe(cls) is None and adapters.find(cls(8)) is not None
+    script = (
+        "from mlx_lm.models.cache import ChunkedKVCache\n"
+        "from mlxcache.serializers.adapters import find\n"
+        "from mlxcache.integrations.resume import unsupported_cache_reason\n"
+        "print(find(ChunkedKVCache(8)), unsupported_cache_reason([ChunkedKVCache(8)]))\n"
+    )
+    out = subprocess.run(
+        [require_vllm_python(), "-c", script], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("None mlx_lm.models.cache.ChunkedKVCache trims on its buffer's"), out
+    assert unsupported_cache_reason([lmc.ChunkedKVCache(8)]) is None

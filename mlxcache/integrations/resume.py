@@ -53,7 +53,8 @@ def unsupported_cache_reason(prompt_cache: Sequence[Any]) -> str | None:
     """Why this (fresh) prompt cache cannot be stored, or None: a class with no adapter."""
     for c in prompt_cache:
         if adapters.find(c) is None:
-            return f"cache class {type(c).__module__}.{type(c).__name__} is not supported"
+            why = adapters.unsafe(type(c))
+            return why or f"cache class {type(c).__module__}.{type(c).__name__} is not supported"
     return None
 
 

@@ -52,6 +52,7 @@ __all__ = [
     "from_window",
     "is_cache_object",
     "supported_classes",
+    "unsafe",
     "window_held",
     "window_need",
 ]
@@ -93,14 +94,40 @@ def is_cache_object(obj: Any) -> bool:
 
 
 def find(obj: Any) -> tuple[tuple[str, str], Adapter] | None:
-    """The table key and adapter of a cache object by exact class, or None (not supported)."""
+    """The table key and adapter of a cache object by exact class, or None (not supported, or
+    a class of this library version that a restored object would not behave like: ``unsafe``)."""
     cls = type(obj)
     for lib, module in LIBRARIES.items():
         if cls.__module__ == module and getattr(sys.modules[module], cls.__name__, None) is cls:
             key = (lib, cls.__name__)
-            if key in ADAPTERS:
+            if key in ADAPTERS and unsafe(cls) is None:
                 return key, ADAPTERS[key]
     return None
+
+
+_UNSAFE: dict[type, str | None] = {}
+
+
+def unsafe(cls: type) -> str | None:
+    """Why objects of a tabled class cannot be restored faithfully in this library version, or
+    None. mlx-lm before 0.32 trims a ``ChunkedKVCache`` on its buffer's padded width, so the
+    engine's own cache keeps other tokens than a restored one of the same length would."""
+    if cls.__name__ != "ChunkedKVCache":
+        return None
+    if cls not in _UNSAFE:
+        import mlx.core as mx
+
+        probe = cls(4)
+        x = mx.zeros((1, 1, 3, 2))
+        probe.update_and_fetch(x, x)  # 3 tokens, a buffer padded to the class's step
+        probe.maybe_trim_front()
+        _UNSAFE[cls] = (
+            None
+            if probe.start_position == 0
+            else f"{cls.__module__}.ChunkedKVCache trims on its buffer's padded width "
+            "(mlx-lm before 0.32): a restored cache would keep other tokens than the engine's"
+        )
+    return _UNSAFE[cls]
 
 
 def adapter_for(obj: Any) -> tuple[tuple[str, str], Adapter]:
