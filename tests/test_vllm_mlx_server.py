@@ -249,7 +249,10 @@ NAMES = {
                                "SimpleEngine._submit_to_generation_worker",
                                "SimpleEngine._run_blocking_serialized",
                                "SimpleEngine._fetch_prefix_trie_cache",
-                               "SimpleEngine._peek_prefix_trie_tokens_saved"],
+                               "SimpleEngine._peek_prefix_trie_tokens_saved",
+                               "SimpleEngine._probe_system_kv_cache_support",
+                               "SimpleEngine._stream_chat_impl",
+                               "build_system_prompt_cache_prefix"],
     "mlx_lm": ["stream_generate"],
 }
 def names():

@@ -10,6 +10,7 @@ own splits on every hit, so each answer must be vllm-mlx's own server's, caches 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from functools import partial
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import started_together
 from test_integration_mlx_lm import build_folder
-from test_serve_windows import ARCH, ASK, BLOCK, DOC, _common, _prompts, _stride
+from test_serve_windows import ARCH, ASK, BLOCK, CONFIGS, DOC, SYSTEM, _common, _prompts, _stride
 from vllm_servers import Server, require_vllm_python, server_args
 
 OPTIONS = ("--continuous-batching", "--prefill-step-size", str(BLOCK))
@@ -147,3 +148,54 @@ def test_default_mode_stores_the_prefill_chunks_of_a_hybrid(tmp_path):
     assert [c[:2] for c in cold] == [want[0][:2]] * 2
     assert warm == [(*want[1][:2], 2048), (*want[1][:2], 2048), (*want[1][:2], 0)]
     assert "mlx-lm prompt cache:" not in logs  # no failed lookup, store or snapshot
+
+
+SNAPSHOT = re.compile(r"System KV cache (HIT|MISS|STORED)")
+WINDOWS = {  # RotatingKVCache and KVCache layers: windows of 16 and 128 tokens
+    "gemma3_text": None,
+    "olmo3": {k: v for k, v in CONFIGS["olmo3"].items() if k != "model_type"},
+}
+
+
+@pytest.mark.parametrize("family", sorted(WINDOWS))
+def test_default_mode_window_model_on_the_prompt_cache_without_snapshots(family, tmp_path):
+    """vllm-mlx's default mode keeps window models (``RotatingKVCache`` layers) off its
+    cache-aware branch (``non_kv_cache_class``); under mlxcache (``window_models.py``) they take
+    that branch with mlxcache's prompt cache: a repeat and a second server (a shared document,
+    another question) resume at a block boundary and answer as vllm-mlx's own server, while
+    vllm-mlx's system-prompt KV snapshots stay off for them, also for a request with a system
+    message."""
+    python = require_vllm_python()
+    folder = str(build_folder(family, tmp_path / family, config=WINDOWS[family]))
+    cache = f"file://{tmp_path}/cache"
+    system = [SYSTEM, *ASK[0]]
+
+    def start(name: str, c: str | None) -> Server:
+        args = server_args(python, folder, c, c is None)
+        if c is not None:
+            args[args.index("--cache-block-size") + 1] = str(BLOCK)
+        return Server(args, tmp_path / f"{name}.log", tmp_path / name)
+
+    make = [partial(start, n, c) for n, c in (("stock", None), ("first", cache), ("second", cache))]
+    with started_together(make) as (stock, first, second):
+        want = [stock.chat(m, 6) for m in (*ASK, system)]
+        one = [first.chat(ASK[0], 6), first.chat(ASK[0], 6, stream=True)]
+        two = second.chat(ASK[1], 6)  # another process: the first one's blocks
+        sys_ = [first.chat(system, 6), second.chat(system, 6)]
+        stock_log, logs = stock.log(), first.log() + second.log()
+    assert all(w[2] is None for w in want)  # vllm-mlx as shipped, caches off
+    off = "System KV cache snapshot disabled (stream_chat)"  # vllm-mlx's probe: uncached path
+    assert off in stock_log
+    ids = _prompts(folder, *ASK, system)
+    assert [w[1] for w in want] == [len(p) for p in ids]  # the same chat template
+    hit = _common(ids[0], ids[1]) // BLOCK * BLOCK
+    assert hit >= 3 * BLOCK  # the document spans blocks (past gemma3_text's window)
+    assert one[0] == (*want[0][:2], 0)
+    last = [(len(p) - 1) // BLOCK * BLOCK for p in ids]  # the last block boundary before the end
+    assert one[1] == (*want[0][:2], last[0])  # the repeat, streamed: from the cache
+    assert two == (*want[1][:2], hit)  # vllm-mlx's own answer, resumed at a block boundary
+    # the system message's request: on the prompt cache (first's blocks), no snapshot
+    assert sys_ == [(*want[2][:2], 0), (*want[2][:2], last[2])]
+    assert "non_kv_cache_class" not in logs
+    assert not SNAPSHOT.findall(logs)  # vllm-mlx never snapshots this model's cache
+    assert "mlx-lm prompt cache:" not in logs  # no failed lookup or store

@@ -20,12 +20,16 @@ with mlx-lm's ``make_sampler(temperature, top_p)`` on the restored cache). ``ins
   found nothing and left the snapshot to win. It now reads the hot trie by vllm-mlx's own rule
   and the shared tier's ``longest`` (no record read), and the cache is never "empty" to
   vllm-mlx's fast path while the shared tier is on: the longer of the two wins;
+- lets models with window layers (``RotatingKVCache``: gemma3_text, olmo3), which vllm-mlx
+  keeps off that branch (``non_kv_cache_class``), reach it on this cache alone, vllm-mlx's
+  system-prompt snapshots still off for them (``window_models.py``);
 - reports the reused tokens in the prompt count (``usage.PromptCount``): OpenAI's
   ``cached_tokens`` and Anthropic's ``cache_read_input_tokens``, the snapshot's tokens when the
   snapshot wins (vllm-mlx itself reports none of either).
 
 vllm-mlx itself keeps a request off that branch when it has ``stop``, ``top_k``, ``min_p``,
-presence or repetition penalties, logits processors, ``--max-kv-size``, MTP or SpecPrefill:
+presence or repetition penalties, logits processors, ``--max-kv-size``, MTP, SpecPrefill or
+harmony rendering:
 those run uncached and report 0 cached tokens. The engine runs one request at a time, which
 is what lets the count of the request being answered be kept on the engine.
 """
@@ -35,7 +39,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from mlxcache.integrations.vllm_mlx import salts, trie_chunks
+from mlxcache.integrations.vllm_mlx import salts, trie_chunks, window_models
 from mlxcache.integrations.vllm_mlx.shared_tier import TierConfig, identity
 from mlxcache.integrations.vllm_mlx.usage import PromptCount
 
@@ -214,6 +218,7 @@ def install(config: TierConfig) -> None:
     SimpleEngine._stream_chat_impl = _reported(_saved["stream"])
     SimpleEngine.chat = _chat_via_stream(_saved["chat"])
     trie_chunks.install()
+    window_models.install()  # after the names above: it wraps _stream_chat_impl
 
 
 def uninstall() -> None:
@@ -222,6 +227,7 @@ def uninstall() -> None:
         return
     from vllm_mlx.engine.simple import SimpleEngine
 
+    window_models.uninstall()  # first: it restores the _stream_chat_impl installed here
     SimpleEngine.__init__ = _saved["init"]
     SimpleEngine._ensure_prefix_trie_cache = _saved["ensure"]
     SimpleEngine._fetch_prefix_trie_cache = _saved["fetch"]
