@@ -15,9 +15,10 @@ cursor. mlxcache's prompt cache restores fresh cache objects through its seriali
   every class of the model's cache is ``KVCache``, ``RotatingKVCache`` or ``ArraysCache``, which
   mlxcache stores and resumes (``resume``'s adapter table; tested over HTTP: gemma3_text and
   olmo3; gpt_oss has the same classes), so ``non_kv_cache_class`` is no longer among the
-  request's controls. Other classes stay uncached: ``ChunkedKVCache`` (llama4) is in the table,
-  but on tiny llama4 (chunks of 8) a repeat restored 154 of 155 tokens and answered otherwise
-  than vllm-mlx (not investigated further). Every other control (``stop``, ``top_k``,
+  request's controls. Other classes stay uncached: llama4's ``ChunkedKVCache``, which the
+  mlx-lm 0.31 vllm-mlx pins trims on its buffer's padded width (``adapters.unsafe``: a restored
+  one would keep other tokens than vllm-mlx's; a repeat on tiny llama4 answered otherwise).
+  Every other control (``stop``, ``top_k``,
   ``min_p``, penalties, logits processors, ``--max-kv-size``, MTP, SpecPrefill, harmony
   rendering, which gpt_oss has with ``--tool-call-parser harmony --enable-auto-tool-choice``)
   keeps the request off as before;
