@@ -37,23 +37,29 @@ def _schedule(folder: str, tmp_path, steps: list) -> subprocess.CompletedProcess
     return run
 
 
-def _start(python: str, folder: str, cache: str | None, log, home) -> Server:
+def _start(python: str, folder: str, cache: str | None, log, home, options=OPTIONS) -> Server:
     args = server_args(python, folder, cache, cache is None)
     if cache is not None:  # our blocks: BLOCK tokens, the prefill step
         i = args.index("--cache-block-size")
         args[i + 1] = str(BLOCK)
-    return Server([*args, *OPTIONS], log, home)
+    return Server([*args, *options], log, home)
+
+
+def _three_servers(python: str, folder: str, tmp_path, options=OPTIONS) -> list:
+    """Starters for ``started_together``: vllm-mlx as shipped (caches off), then two of ours
+    on one ``file://`` store."""
+    cache = f"file://{tmp_path}/cache"
+    return [
+        partial(_start, python, folder, c, tmp_path / f"{name}.log", tmp_path / name, options)
+        for name, c in (("stock", None), ("first", cache), ("second", cache))
+    ]
 
 
 @pytest.mark.parametrize("family", sorted(ARCH))
 def test_a_shared_document_hits_on_a_second_server(family, tmp_path):
     python = require_vllm_python()
     folder = str(build_folder(family, tmp_path / family, config=ARCH[family]))
-    cache = f"file://{tmp_path}/cache"
-    make = [
-        partial(_start, python, folder, c, tmp_path / f"{name}.log", tmp_path / name)
-        for name, c in (("stock", None), ("first", cache), ("second", cache))
-    ]
+    make = _three_servers(python, folder, tmp_path)
     with started_together(make) as (stock, first, second):
         want = [stock.chat(m, 6) for m in ASK]
         cold = [first.chat(ASK[0], 6), first.chat(ASK[0], 6, salt="alice")]
@@ -126,16 +132,9 @@ def test_default_mode_stores_the_prefill_chunks_of_a_hybrid(tmp_path):
     another server resume a long shared document there, on vllm-mlx's own splits."""
     python = require_vllm_python()
     folder = str(build_folder("qwen3_5", tmp_path / "qwen3_5", config=ARCH["qwen3_5"]))
-    cache = f"file://{tmp_path}/cache"
     ask = [[{"role": "user", "content": DOC * 17 + m[0]["content"][len(DOC) :]}] for m in ASK]
 
-    def start(name: str, c: str | None) -> Server:
-        args = server_args(python, folder, c, c is None)
-        if c is not None:
-            args[args.index("--cache-block-size") + 1] = str(BLOCK)
-        return Server(args, tmp_path / f"{name}.log", tmp_path / name)
-
-    make = [partial(start, n, c) for n, c in (("stock", None), ("first", cache), ("second", cache))]
+    make = _three_servers(python, folder, tmp_path, options=())  # the default mode
     with started_together(make) as (stock, first, second):
         want = [stock.chat(m, 6) for m in ask]
         cold = [first.chat(ask[0], 6), first.chat(ask[0], 6, salt="alice")]
@@ -167,16 +166,9 @@ def test_default_mode_window_model_on_the_prompt_cache_without_snapshots(family,
     message."""
     python = require_vllm_python()
     folder = str(build_folder(family, tmp_path / family, config=WINDOWS[family]))
-    cache = f"file://{tmp_path}/cache"
     system = [SYSTEM, *ASK[0]]
 
-    def start(name: str, c: str | None) -> Server:
-        args = server_args(python, folder, c, c is None)
-        if c is not None:
-            args[args.index("--cache-block-size") + 1] = str(BLOCK)
-        return Server(args, tmp_path / f"{name}.log", tmp_path / name)
-
-    make = [partial(start, n, c) for n, c in (("stock", None), ("first", cache), ("second", cache))]
+    make = _three_servers(python, folder, tmp_path, options=())  # the default mode
     with started_together(make) as (stock, first, second):
         want = [stock.chat(m, 6) for m in (*ASK, system)]
         one = [first.chat(ASK[0], 6), first.chat(ASK[0], 6, stream=True)]
