@@ -1,9 +1,9 @@
 """The mlx-lm side of the model-family matrix (docs/models.md): mlx-lm's answer, bit for bit.
 
-One tiny model per family (configs from mlx-lm's own ``test_all_models``), prompts cold, warm,
-extended and branched (twice) through mlxcache on a ``file://`` store, each compared with
-mlx-lm's uncached ``generate_step`` (or mlx-lm resumed at the same splits, for recurrent layers:
-a cold run splits where mlx-lm does).
+One tiny model per family (configs from mlx-lm's own ``test_all_models``, gpt_oss's from its
+``test_gpt_oss`` at the others' tiny width), prompts cold, warm, extended and branched (twice)
+through mlxcache on a ``file://`` store, each compared with mlx-lm's uncached ``generate_step`` (or
+mlx-lm resumed at the same splits, for recurrent layers: a cold run splits where mlx-lm does).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ FAMILIES = {
     "qwen3_vl": "block",
     "exaone4": "block",
     "olmo3": "block",
+    "gpt_oss": "block",
     "gemma4": "block",
     "llama4": "block",
     "mamba2": "checkpoint",

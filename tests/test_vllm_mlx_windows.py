@@ -150,8 +150,9 @@ def test_default_mode_stores_the_prefill_chunks_of_a_hybrid(tmp_path):
 
 
 SNAPSHOT = re.compile(r"System KV cache (HIT|MISS|STORED)")
-WINDOWS = {  # RotatingKVCache and KVCache layers: windows of 16 and 128 tokens
+WINDOWS = {  # RotatingKVCache and KVCache layers: windows of 16, 128 and 128 tokens
     "gemma3_text": None,
+    "gpt_oss": {k: v for k, v in CONFIGS["gpt_oss"].items() if k != "model_type"},  # + sinks
     "olmo3": {k: v for k, v in CONFIGS["olmo3"].items() if k != "model_type"},
 }
 

@@ -1,10 +1,12 @@
 """The mlx-lm side of the family matrix: mlxcache's generation against mlx-lm's ``generate_step``.
 
 Tiny random-weight models from the configs in ``mlx_lm_configs.json`` (taken from
-``test_all_models`` in mlx-lm 0.32.2's tests/test_models.py). Every answer must equal mlx-lm's
-uncached ``generate_step`` (greedy tokens, the bytes of every step's log-probabilities); for a
-split-sensitive model (recurrent layers) the reference is mlx-lm resumed at the same splits: its
-own chunk calls ending at each, then ``generate_step`` on the rest with that cache.
+``test_all_models`` in mlx-lm 0.32.2's tests/test_models.py; gpt_oss from its ``test_gpt_oss`` at
+the others' width: hidden 128, 16 experts of 128, a vocabulary of 1,000, its window of 128 kept).
+Every answer must equal mlx-lm's uncached ``generate_step`` (greedy tokens, the bytes of every
+step's log-probabilities); for a split-sensitive model (recurrent layers) the reference is mlx-lm
+resumed at the same splits: its own chunk calls ending at each, then ``generate_step`` on the rest
+with that cache.
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ cursor. mlxcache's prompt cache restores fresh cache objects through its seriali
 
 - answers that probe True for route ``stream_chat`` when vllm-mlx's own answer is False and
   every class of the model's cache is ``KVCache``, ``RotatingKVCache`` or ``ArraysCache``, which
-  mlxcache stores and resumes (``resume``'s adapter table; tested over HTTP: gemma3_text and
-  olmo3; gpt_oss has the same classes), so ``non_kv_cache_class`` is no longer among the
+  mlxcache stores and resumes (``resume``'s adapter table; tested over HTTP: gemma3_text,
+  olmo3 and gpt_oss), so ``non_kv_cache_class`` is no longer among the
   request's controls. Other classes stay uncached: llama4's ``ChunkedKVCache``, which the
   mlx-lm 0.31 vllm-mlx pins trims on its buffer's padded width (``adapters.unsafe``: a restored
   one would keep other tokens than vllm-mlx's; a repeat on tiny llama4 answered otherwise).
