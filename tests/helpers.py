@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO
@@ -165,12 +166,25 @@ def read_stream(response) -> tuple[str, dict | None]:
 
 
 class LoggedServer:
-    """Base of the tests' server subprocesses: ``proc``, its output to the open file ``_log``
-    at ``log_path``; ``log()`` reads it, ``kill()`` ends it."""
+    """Base of the tests' server subprocesses at ``url``: ``proc``, its output to the open file
+    ``_log`` at ``log_path``; ``post()`` sends JSON, ``log()`` reads the output, ``kill()`` ends
+    it."""
 
+    url: str
     proc: subprocess.Popen
     log_path: str | os.PathLike[str]
     _log: IO[bytes]
+
+    def post(self, path: str, body: dict, headers: dict | None = None) -> dict:
+        """The JSON answer (a 200) to ``body`` POSTed as JSON to ``path``."""
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        with urllib.request.urlopen(req, timeout=180) as r:
+            assert r.status == 200
+            return json.load(r)
 
     def log(self) -> str:
         """The server's output so far ("" before it wrote any); also after ``kill``."""

@@ -14,8 +14,6 @@ it shows. Models without state layers (dense, window-only) run exactly as mlx-lm
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -55,13 +53,7 @@ CASES = {
 def _chat(server: Server, messages, **extra) -> tuple[list[tuple[int, float]], int]:
     """The answer's (token id, log-probability) pairs and the cached tokens of one request."""
     body = {"messages": messages, "max_tokens": MAX, "logprobs": True, **extra}
-    req = urllib.request.Request(
-        server.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as r:
-        out = json.load(r)
+    out = server.post("/v1/chat/completions", body)
     steps = [(s["id"], s["logprob"]) for s in out["choices"][0]["logprobs"]["content"]]
     return steps, out["usage"]["prompt_tokens_details"]["cached_tokens"]
 

@@ -18,7 +18,6 @@ split. Subprocesses and real HTTP.
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 from helpers import started_together
@@ -49,13 +48,7 @@ def _chat(server: VlmServer, messages: list) -> tuple[list[tuple[str, float]], i
         "temperature": 0.0,
         "logprobs": True,
     }
-    req = urllib.request.Request(
-        server.url + "/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=180) as r:
-        out = json.load(r)
+    out = server.post("/v1/chat/completions", body)
     steps = [(s["token"], s["logprob"]) for s in out["choices"][0]["logprobs"]["content"]]
     details = out["usage"].get("prompt_tokens_details") or {}
     return steps, details.get("cached_tokens", 0)

@@ -42,16 +42,6 @@ class Server(LoggedServer):
             assert f"mlxcache serve: vllm-mlx will listen on {self.url}\n" in self.log()
             assert f"Uvicorn running on {self.url}" in self.log()
 
-    def post(self, path: str, body: dict, headers: dict | None = None) -> dict:
-        req = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", **(headers or {})},
-        )
-        with urllib.request.urlopen(req, timeout=180) as r:
-            assert r.status == 200
-            return json.load(r)
-
     def get(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return json.load(r)
