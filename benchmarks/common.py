@@ -164,16 +164,25 @@ def kv_arrays(tokens: int, seed: int = 0) -> dict[str, mx.array]:
     return out
 
 
-def kv_cache(tokens: int, layers: int, kv_heads: int, head_dim: int, seed: int = 0) -> list[Any]:
-    """``layers`` evaluated mlx-lm KVCache layers of ``tokens`` random bf16 keys/values."""
+def kv_cache(
+    tokens: int,
+    layers: int,
+    kv_heads: int,
+    head_dim: int,
+    seed: int = 0,
+    scales: tuple[int, int, float] = (32, 64, 0.5),
+) -> list[Any]:
+    """``layers`` evaluated mlx-lm KVCache layers of ``tokens`` random bf16 keys/values; layer
+    ``i`` holds ``base * (1 + i / a)`` and ``base * (1 - i / b) + c`` for ``scales`` (a, b, c)."""
     from mlx_lm.models.cache import KVCache
 
+    a, b, shift = scales
     mx.random.seed(seed)
     base = mx.random.normal((1, kv_heads, tokens, head_dim), dtype=mx.bfloat16)
     out = []
     for i in range(layers):
         c = KVCache()
-        k, v = base * (1 + i / 32), base * (1 - i / 64) + 0.5
+        k, v = base * (1 + i / a), base * (1 - i / b) + shift
         mx.eval(k, v)
         c.state = (k, v, tokens)
         out.append(c)

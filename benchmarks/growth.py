@@ -23,7 +23,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from benchmarks.common import Row, Stats, evaluate, have, time_runs
+from benchmarks.common import Row, Stats, evaluate, have, kv_cache, time_runs
 
 SECTION = "growth"
 RESTORE = "restore"
@@ -132,19 +132,8 @@ def _lookup_rows(label: str, uri: str, sizes: list[int], budget: float, ctx: Any
 
 def model_cache(model: str, tokens: int, seed: int = 0) -> list[Any]:
     """mlx-lm KVCache layers with the model's KV shape, ``tokens`` long, random bf16."""
-    from mlx_lm.models.cache import KVCache
-
     layers, heads, dim, _ = MODELS[model]
-    mx.random.seed(seed)
-    base = mx.random.normal((1, heads, tokens, dim), dtype=mx.bfloat16)
-    out = []
-    for i in range(layers):
-        c = KVCache()
-        k, v = base * (1 + i / 64), base * (1 - i / 128) + 0.25
-        mx.eval(k, v)
-        c.state = (k, v, tokens)
-        out.append(c)
-    return out
+    return kv_cache(tokens, layers, heads, dim, seed, scales=(64, 128, 0.25))
 
 
 def _restore_rows(
